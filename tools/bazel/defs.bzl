@@ -1,0 +1,57 @@
+"""Build helpers for stagewise: doctest targets, header self-containment, must-not-compile tests."""
+
+def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
+    """A doctest test binary built from `<name>.cpp` against //:stagewise."""
+    native.cc_test(
+        name = name,
+        srcs = srcs or [name + ".cpp"],
+        deps = ["//:stagewise", "//tests:doctest_main"] + deps,
+        size = size,
+        **kwargs
+    )
+
+def header_self_containment(name, hdrs):
+    """For each header, a generated .cpp that includes it twice, compiled as its own target."""
+    targets = []
+    for hdr in hdrs:
+        include = hdr[len("include/"):]
+        stem = include.replace("/", "_").replace(".", "_")
+        src = name + "/" + stem + ".cpp"
+        native.genrule(
+            name = stem + "_src",
+            outs = [src],
+            cmd = "printf '#include \"%s\"\\n#include \"%s\"\\n' > $@" % (include, include),
+        )
+        native.cc_library(
+            name = name + "_" + stem,
+            srcs = [src],
+            deps = ["//:stagewise"],
+        )
+        targets.append(":" + name + "_" + stem)
+    native.filegroup(name = name, srcs = targets)
+
+def compile_fail_test(name, src):
+    """Passes only if `src` fails to compile with the text of its `// expect-error:` line."""
+    native.sh_test(
+        name = name,
+        srcs = ["//tools/bazel:compile_fail.sh"],
+        args = ["$(location %s)" % src],
+        data = [src, "//:headers"],
+        size = "small",
+    )
+
+def sw_example(name, deps = [], **kwargs):
+    """An example program `<name>.cpp` (./bazelw run //examples:<name>), also run as a test."""
+    native.cc_binary(
+        name = name,
+        srcs = [name + ".cpp"],
+        deps = ["//:stagewise"] + deps,
+        **kwargs
+    )
+    native.sh_test(
+        name = name + "_test",
+        srcs = ["//tools/bazel:run_example.sh"],
+        args = ["$(location :%s)" % name],
+        data = [":" + name],
+        size = "medium",
+    )
