@@ -5,7 +5,7 @@ def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
     native.cc_test(
         name = name,
         srcs = srcs or [name + ".cpp"],
-        deps = ["//:stagewise", "//tests:doctest_main"] + deps,
+        deps = ["//:stagewise", "//tests:doctest_main", "//tests:support"] + deps,
         size = size,
         **kwargs
     )

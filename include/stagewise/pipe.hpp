@@ -1,0 +1,224 @@
+#pragma once
+
+#include "stagewise/core/batch.hpp"
+#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/clock_executor.hpp"
+#include "stagewise/runtime/program_executor.hpp"
+#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/schedule/gpipe.hpp"
+#include "stagewise/stage/partition.hpp"
+#include "stagewise/stage/stage_list.hpp"
+#include "stagewise/stage/stage_spec.hpp"
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise {
+
+/// The pipeline itself, behind the `Pipe` holder: stages on their own worker threads, a
+/// mini-batch split into micro-batches, and two ways to train.
+///
+/// - `forward(x)`: torchgpipe's semantics. The output is connected to autograd and the caller
+///   runs backward; checkpointed cells recompute just before their gradient arrives.
+/// - `train_step(x, target, loss_fn)`: forward and backward of every (micro-batch, stage) cell run
+///   on the stage's worker following a schedule, so stages overlap in both directions; the
+///   parameters' gradients accumulate exactly as unpipelined training on the micro-batches would.
+class PipeImpl : public torch::nn::Module {
+ public:
+  PipeImpl(std::vector<detail::StageSpec> specs, PipeOptions options,
+           std::vector<std::shared_ptr<torch::nn::Module>> layers)
+      : options_(std::move(options)), layers_(std::move(layers)) {
+    verify_ownership(specs);
+    const auto& devices = options_.devices();
+    TORCH_CHECK(devices.empty() || devices.size() >= specs.size(), "stagewise::Pipe: ",
+                specs.size(), " stages but only ", devices.size(),
+                " devices; give one device per stage (devices may repeat, e.g. torch::kCPU for "
+                "all), or fewer stages");
+    for (std::size_t k = 0; k < specs.size(); ++k) {
+      const torch::Device device = devices.empty() ? torch::Device(torch::kCPU) : devices[k];
+      if (specs[k].module) {
+        register_module("stage" + std::to_string(k), specs[k].module);
+        if (device.type() != torch::kCPU) specs[k].module->to(device);
+      }
+      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), device));
+    }
+  }
+
+  /// Runs the pipeline on one tensor; see the class comment. An empty pipe returns `x`.
+  torch::Tensor forward(const torch::Tensor& x) {
+    Batch out = forward_batch(Batch(x));
+    TORCH_CHECK(out.atomic(), "stagewise::Pipe::forward: the last stage returned ", out.size(),
+                " tensors; call forward_batch to get them all");
+    return out.tensor();
+  }
+
+  /// Runs the pipeline on a batch of one tensor or a tuple of tensors.
+  Batch forward_batch(const Batch& input) {
+    if (stages_.empty()) return input;
+    return runtime::run_clock_cycles(stages_, input, options_.chunks(), options_.checkpoint(),
+                                     is_training());
+  }
+
+  /// One training step driven by `sched` (GPipe's fill-drain by default): returns the loss of the
+  /// whole mini-batch and leaves the parameters' gradients accumulated, as
+  /// `loss_fn(model(input), target).backward()` would. `loss_fn(output, target)` must average
+  /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
+  /// micro-batch's loss is weighted by its share of the rows.
+  template <class Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           const Schedule& sched = {}) {
+    TORCH_CHECK(!stages_.empty(), "stagewise::Pipe::train_step: the pipe has no stages");
+    TORCH_CHECK(torch::GradMode::is_enabled(),
+                "stagewise::Pipe::train_step: grad mode is off (a NoGradGuard is active); "
+                "train_step computes gradients, so call it with grad enabled, or use forward");
+    runtime::TrainStep step;
+    step.inputs = scatter(input, options_.chunks());
+    step.targets = scatter(target, options_.chunks());
+    TORCH_CHECK(step.inputs.size() == step.targets.size(),
+                "stagewise::Pipe::train_step: input and target split into ", step.inputs.size(),
+                " and ", step.targets.size(), " micro-batches; give them the same number of rows");
+    const double rows = static_cast<double>(input[0].size(0));
+    for (const auto& b : step.inputs) step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
+    step.loss_fn = std::move(loss_fn);
+    step.training = is_training();
+    const int m = static_cast<int>(step.inputs.size());
+    step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
+    const auto programs = runtime::stage_programs(sched, static_cast<int>(stages_.size()), m, step.stop);
+    return runtime::run_programs(stages_, programs, step);
+  }
+
+  /// train_step for one input tensor and one target tensor.
+  template <class Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, const Schedule& sched = {}) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), sched);
+  }
+
+  /// Number of stages.
+  std::size_t num_stages() const { return stages_.size(); }
+  /// The device of stage `k`.
+  torch::Device device(std::size_t k) const { return stage_at(k).device; }
+  /// The options the pipe was built with.
+  const PipeOptions& options() const { return options_; }
+
+  /// Number of layers: the Sequential's layers, or the stages of a typed stage list.
+  std::size_t size() const { return layers_.size(); }
+  /// Layer `i` of the original model.
+  std::shared_ptr<torch::nn::Module> layer(std::size_t i) const {
+    TORCH_CHECK_INDEX(i < layers_.size(), "stagewise::Pipe: layer index ", i,
+                      " is out of range for a pipe of ", layers_.size(), " layers");
+    return layers_[i];
+  }
+  /// The original layers, in order.
+  const std::vector<std::shared_ptr<torch::nn::Module>>& layers() const { return layers_; }
+
+  // The pipe places each stage on its device; moving the whole pipe would break that.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    refuse_move(device);
+    (void)dtype;
+    (void)non_blocking;
+  }
+  void to(torch::Device device, bool non_blocking = false) override {
+    refuse_move(device);
+    (void)non_blocking;
+  }
+  /// Changing the dtype of every parameter is allowed.
+  void to(torch::Dtype dtype, bool non_blocking = false) override {
+    torch::nn::Module::to(dtype, non_blocking);
+  }
+
+ private:
+  [[noreturn]] static void refuse_move(torch::Device device) {
+    TORCH_CHECK(false, "stagewise::Pipe: cannot move the pipe to ", device.str(),
+                ": each stage lives on the device it was given. Build a new Pipe with "
+                "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
+                "allowed).");
+  }
+
+  const runtime::StageRuntime& stage_at(std::size_t k) const {
+    TORCH_CHECK_INDEX(k < stages_.size(), "stagewise::Pipe: stage index ", k,
+                      " is out of range for a pipe of ", stages_.size(), " stages");
+    return *stages_[k];
+  }
+
+  static void verify_ownership(const std::vector<detail::StageSpec>& specs) {
+    std::map<const torch::nn::Module*, std::size_t> seen;
+    std::map<const c10::TensorImpl*, std::size_t> owner;
+    for (std::size_t k = 0; k < specs.size(); ++k) {
+      if (!specs[k].module) continue;
+      auto [it, fresh] = seen.emplace(specs[k].module.get(), k);
+      TORCH_CHECK(fresh, "stagewise::Pipe: stages ", it->second, " and ", k,
+                  " are the same module; a module may be one stage only. Use two modules.");
+      for (const auto& p : specs[k].module->parameters()) {
+        auto [o, fresh_param] = owner.emplace(p.unsafeGetTensorImpl(), k);
+        TORCH_CHECK(fresh_param, "stagewise::Pipe: stages ", o->second, " and ", k,
+                    " share a parameter; stages must own their parameters. Tie them inside one "
+                    "stage instead.");
+      }
+    }
+  }
+
+  PipeOptions options_;
+  std::vector<std::shared_ptr<torch::nn::Module>> layers_;
+  std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;
+};
+
+/// A pipeline over a compile-time stage list (`Pipe<S...>`), or over a torch::nn::Sequential
+/// split by a balance (`Pipe<>`). A module holder: use `pipe->forward(x)`,
+/// `pipe->train_step(...)`, `pipe->parameters()`.
+///   auto pipe = stagewise::Pipe(stagewise::stages(embed, blocks, head),
+///                               stagewise::PipeOptions().chunks(8));
+///   auto pipe2 = stagewise::Pipe(seq, stagewise::balance{2, 3, 1}, stagewise::PipeOptions().chunks(4));
+template <class... S>
+class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
+ public:
+  using list_type = stage_list<S...>;
+  /// What the first stage takes and the last returns (checked at compile time).
+  using input_type = typename list_type::input_type;
+  using output_type = typename list_type::output_type;
+
+  /// An empty holder, to assign later.
+  Pipe(std::nullptr_t) : torch::nn::ModuleHolder<PipeImpl>(nullptr) {}  // NOLINT(implicit)
+
+  /// A pipeline over typed stages.
+  explicit Pipe(stage_list<S...> list, PipeOptions options = {})
+      : torch::nn::ModuleHolder<PipeImpl>(
+            std::make_shared<PipeImpl>(list.specs(), std::move(options), modules_of(list))) {}
+
+  /// A pipeline over `seq`, split into stages of `b[k]` consecutive layers.
+  template <class... T>
+    requires(sizeof...(S) == 0 && sizeof...(T) == 0)
+  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
+      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
+            detail::partition(seq, b), std::move(options), layers_of(seq))) {}
+
+ private:
+  static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
+    std::vector<std::shared_ptr<torch::nn::Module>> out;
+    for (auto& spec : list.specs()) {
+      if (spec.module) out.push_back(spec.module);
+    }
+    return out;
+  }
+  static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(const torch::nn::Sequential& seq) {
+    return seq->children();
+  }
+};
+
+template <class... S>
+Pipe(stage_list<S...>) -> Pipe<S...>;
+template <class... S>
+Pipe(stage_list<S...>, PipeOptions) -> Pipe<S...>;
+Pipe(torch::nn::Sequential, balance)->Pipe<>;
+Pipe(torch::nn::Sequential, balance, PipeOptions)->Pipe<>;
+
+}  // namespace stagewise

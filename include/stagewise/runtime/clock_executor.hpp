@@ -1,0 +1,99 @@
+#pragma once
+
+#include "stagewise/core/batch.hpp"
+#include "stagewise/core/dependency.hpp"
+#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/schedule/clock.hpp"
+
+#include <ATen/ThreadLocalState.h>
+#include <torch/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace stagewise::runtime {
+
+/// How many of `m` micro-batches are checkpointed: the first checkpoint_stop ones.
+inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
+  if (!training || !torch::GradMode::is_enabled()) return 0;  // eval / no-grad: nothing to replay
+  switch (mode) {
+    case Checkpoint::always: return m;
+    case Checkpoint::except_last: return m - 1;
+    case Checkpoint::never: return 0;
+  }
+  return 0;
+}
+
+/// torchgpipe's forward: runs the clock cycles of `clock_cycles(m, n)` one after another, the
+/// cells of a cycle concurrently on their stages' workers, and returns the gathered output,
+/// connected to autograd (the caller runs backward). Before cell (i, j) with i > 0, micro-batch
+/// i-1's value is forked and joined into micro-batch i's, so backward on each stage runs the
+/// micro-batches in the order m-1 .. 0. A stage's exception is rethrown unchanged after its
+/// cycle; later cycles never run.
+inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages, const Batch& input,
+                              int64_t chunks, Checkpoint mode, bool training) {
+  std::vector<Batch> batches = scatter(input, chunks);
+  const int m = static_cast<int>(batches.size());
+  const int n = static_cast<int>(stages.size());
+  const int64_t stop = checkpoint_stop(mode, m, training);
+  const bool replay = stop > 0;
+  const at::ThreadLocalState state;  // the caller's grad mode, autocast, ... for the workers
+
+  struct Slot {
+    std::optional<Batch> out;
+    std::exception_ptr error;
+  };
+  std::mutex mutex;
+  std::condition_variable done;
+
+  for (const auto& cycle : schedule::clock_cycles(m, n)) {
+    for (const auto& c : cycle) {
+      auto& b = batches[c.micro];
+      if (c.micro != 0) {
+        auto& prev = batches[c.micro - 1];
+        auto [kept, phony] = fork(prev[0]);
+        prev.set(0, kept);
+        b.set(0, join(b[0], phony));
+      }
+      if (c.stage != 0) b = stages[c.stage]->receive(b, *stages[c.stage - 1], c.micro);
+    }
+    std::vector<Slot> slots(cycle.size());
+    std::size_t pending = cycle.size();
+    for (std::size_t k = 0; k < cycle.size(); ++k) {
+      const auto c = cycle[k];
+      StageRuntime& stage = *stages[c.stage];
+      stage.worker.post([&, k, c] {
+        try {
+          at::ThreadLocalStateGuard guard(state);
+          slots[k].out.emplace(stage.run(batches[c.micro], c.micro < stop, replay, training));
+        } catch (...) {
+          slots[k].error = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        if (--pending == 0) done.notify_one();
+      });
+    }
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      done.wait(lock, [&] { return pending == 0; });
+    }
+    std::exception_ptr first;
+    for (std::size_t k = 0; k < cycle.size(); ++k) {
+      if (slots[k].error) {
+        if (!first) first = slots[k].error;
+      } else {
+        batches[cycle[k].micro] = std::move(*slots[k].out);
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+  return gather(batches);
+}
+
+}  // namespace stagewise::runtime

@@ -1,0 +1,64 @@
+#pragma once
+
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <torch/types.h>
+
+#include <atomic>
+#include <functional>
+#include <mutex>
+
+namespace stagewise::runtime {
+
+/// Keeps random-number draws of concurrent stages apart, so a checkpointed cell replays exactly.
+///
+/// The CPU generator is process-wide: if two stage workers drew from it at once, the numbers a
+/// checkpointed forward drew could not be drawn again in its recompute. One section per stage
+/// learns on first use whether the stage draws random numbers (its first run holds a process-wide
+/// lock and compares the generator state before and after); stages that draw run under that lock
+/// from then on, stages that do not never take it. Training and eval are learned separately,
+/// since dropout draws only in training.
+class RngSection {
+ public:
+  explicit RngSection(torch::Device device = torch::kCPU) : device_(device) {}
+
+  void run(bool training, const std::function<void()>& body) {
+    auto& known = state_[training ? 1 : 0];
+    if (known.load(std::memory_order_acquire) == draws_nothing) {
+      body();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(global_mutex());
+    if (known.load(std::memory_order_relaxed) == draws) {
+      body();
+      return;
+    }
+    const auto before = fingerprint();
+    body();
+    known.store(fingerprint().equal(before) ? draws_nothing : draws, std::memory_order_release);
+  }
+
+  /// The lock every drawing stage holds while it runs (process-wide, shared by all pipes).
+  static std::mutex& global_mutex() {
+    static auto* m = new std::mutex();  // leaked: workers may still run during static teardown
+    return *m;
+  }
+
+ private:
+  enum : int { unknown = 0, draws = 1, draws_nothing = 2 };
+
+  torch::Tensor fingerprint() const {
+    auto read = [](at::Generator g) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      return g.get_state();
+    };
+    auto cpu = read(at::globalContext().defaultGenerator(torch::kCPU));
+    if (device_.type() == torch::kCPU) return cpu;
+    return torch::cat({cpu, read(at::globalContext().defaultGenerator(device_)).to(torch::kCPU)});
+  }
+
+  torch::Device device_;
+  std::atomic<int> state_[2] = {unknown, unknown};
+};
+
+}  // namespace stagewise::runtime
