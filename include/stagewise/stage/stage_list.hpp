@@ -43,6 +43,15 @@ struct check_stage_link {
   }())::type;
 };
 
+template <class... S, std::size_t... I>
+constexpr bool all_stages(std::index_sequence<I...>) {
+  return (check_is_stage<I, S>::value && ...);
+}
+
+struct no_chain {
+  using output = torch::Tensor;
+};
+
 // Walks the stage list at compile time: each stage must accept what the previous one returns.
 template <std::size_t Index, class In, class... S>
 struct chain {
@@ -82,9 +91,11 @@ StageSpec erase_stage(S s, std::size_t index) {
 ///   auto list = stagewise::stages(embed, blocks, head);  // stage_list<Embedding, Sequential, Linear>
 template <class... S>
 struct stage_list {
-  static_assert((detail::check_is_stage<0, S>::value && ...));
+  static constexpr bool all_stages = detail::all_stages<S...>(std::index_sequence_for<S...>{});
   using input_type = stage_input_t<std::tuple_element_t<0, std::tuple<S..., torch::Tensor>>>;
-  using output_type = typename detail::chain<0, input_type, S...>::output;
+  // The links are checked only once every element is a stage, so one mistake gives one error.
+  using output_type = typename std::conditional_t<all_stages, detail::chain<0, input_type, S...>,
+                                                  detail::no_chain>::output;
   static constexpr std::size_t size = sizeof...(S);
 
   std::tuple<S...> stages;
