@@ -10,6 +10,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 namespace stagewise::bench {
 
@@ -17,14 +19,22 @@ class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
 
+  // The data pointer is its own context (LibTorch's raw_allocate insists on that); the wrapped
+  // allocation and its size wait in a table until the deleter runs.
   c10::DataPtr allocate(std::size_t n) const override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;
     const c10::Device device = inner.device();
-    auto* ctx = new Context{std::move(inner), n, this};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_.emplace(data, Entry{std::move(inner), n});
+    }
     add(static_cast<long long>(n));
-    return c10::DataPtr(data, ctx, &CountingAllocator::release, device);
+    return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 
   // Pure virtual in LibTorch 2.x, absent in 1.13: no `override`, so both compile.
   void copy_data(void* dest, const void* src, std::size_t count) const {
@@ -36,17 +46,34 @@ class CountingAllocator final : public c10::Allocator {
   /// Starts a new peak measurement from what is alive now.
   void reset_peak() { peak_.store(current_.load()); }
 
+  static CountingAllocator*& instance() {
+    static CountingAllocator* self = nullptr;
+    return self;
+  }
+
  private:
-  struct Context {
+  struct Entry {
     c10::DataPtr inner;
     std::size_t bytes;
-    const CountingAllocator* owner;
   };
 
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->add(-static_cast<long long>(ctx->bytes));
-    delete ctx;  // frees the wrapped allocation
+  static void release(void* data) {
+    CountingAllocator* self = instance();
+    Entry entry;
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->live_.find(data);
+      if (it == self->live_.end()) {
+        // Allocated by the wrapped allocator before this one was installed (some kernels keep
+        // the allocator they first saw), but freed through the current raw deleter.
+        self->base_->raw_deleter()(data);
+        return;
+      }
+      entry = std::move(it->second);
+      self->live_.erase(it);
+    }
+    self->add(-static_cast<long long>(entry.bytes));
+    // entry.inner frees the wrapped allocation here, outside the lock
   }
 
   void add(long long delta) const {
@@ -57,6 +84,8 @@ class CountingAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* base_;
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, Entry> live_;
   mutable std::atomic<long long> current_{0};
   mutable std::atomic<long long> peak_{0};
 };
@@ -65,6 +94,7 @@ class CountingAllocator final : public c10::Allocator {
 inline CountingAllocator& counting_allocator() {
   static CountingAllocator* instance = [] {
     auto* a = new CountingAllocator(c10::GetDefaultCPUAllocator());
+    CountingAllocator::instance() = a;
     c10::SetCPUAllocator(a, /*priority=*/100);
     return a;
   }();
