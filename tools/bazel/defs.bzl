@@ -7,6 +7,8 @@ def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
         srcs = srcs or [name + ".cpp"],
         deps = ["//:stagewise", "//tests:doctest_main", "//tests:support"] + deps,
         size = size,
+        # Static: doctest's main (and its ThreadSanitizer suppressions) live in the executable.
+        linkstatic = True,
         **kwargs
     )
 

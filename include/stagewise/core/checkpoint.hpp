@@ -139,8 +139,10 @@ inline std::vector<torch::Tensor> checkpoint_tensors(tensors_fn fn,
   call->section = std::move(section);
   call->inputs = std::move(inputs);
   const auto device = call->device();
-  auto outputs = CheckpointFunction::apply(phony(device, /*requires_grad=*/true),
-                                           at::TensorList(call->inputs), call);
+  // A fresh phony, not the cached one: a leaf that requires grad has one AccumulateGrad node,
+  // and stage workers wiring that shared node into their graphs at once would race on it.
+  auto fresh_phony = torch::empty({0}, torch::TensorOptions().device(device)).requires_grad_();
+  auto outputs = CheckpointFunction::apply(fresh_phony, at::TensorList(call->inputs), call);
   for (auto& y : outputs) {
     if (!y.requires_grad()) continue;
     auto [kept, fork_phony] = fork(y);
