@@ -6,3 +6,6 @@
 #include "stagewise/core/dependency.hpp"
 #include "stagewise/core/phony.hpp"
 #include "stagewise/coro/generator.hpp"
+#include "stagewise/optim/clip.hpp"
+#include "stagewise/optim/fused_step.hpp"
+#include "stagewise/optim/optimizer_for.hpp"
