@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -100,23 +102,52 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// CPU time of the calling thread. With one intra-op thread all of a CPU step runs on it (autograd
+// runs CPU backward on the caller), and unlike wall time it does not grow while other processes
+// hold the core, so it is the steadier measure on a shared machine.
+double thread_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
 struct Times {
-  double no_step_us = 0, standard_us = 0, fused_us = 0, ratio = 0;
+  double wall_us[3] = {0, 0, 0};  // no step, standard, fused
+  double cpu_us[3] = {0, 0, 0};
+  double wall_ratio = 0, cpu_ratio = 0;  // fused / standard
 };
 
-// Alternating rounds of each; the ratio is the median of the rounds' fused/standard ratios.
+// Alternating rounds of the three; each round takes median_us of 3 steps (after 1 warm-up) and
+// the thread CPU time of the same steps. Ratios are medians of the rounds' ratios.
 Times measure_time(const std::string& kind, int rounds) {
-  Setup no_step(kind, Mode::no_step);
-  Setup standard(kind, Mode::standard);
-  Setup fused(kind, Mode::fused);
-  std::vector<double> n, s, f, r;
-  for (int i = 0; i < rounds; ++i) {
-    n.push_back(bench::median_us(no_step.step, 3, 1));
-    s.push_back(bench::median_us(standard.step, 3, 1));
-    f.push_back(bench::median_us(fused.step, 3, 1));
-    r.push_back(f.back() / s.back());
+  std::vector<std::unique_ptr<Setup>> setups;
+  for (Mode mode : {Mode::no_step, Mode::standard, Mode::fused}) {
+    setups.push_back(std::make_unique<Setup>(kind, mode));
   }
-  return {median(n), median(s), median(f), median(r)};
+  std::vector<double> wall[3], cpu[3], wall_ratio, cpu_ratio;
+  for (int r = 0; r < rounds; ++r) {
+    for (int m = 0; m < 3; ++m) {
+      std::vector<double> calls;
+      auto timed = [&] {
+        const double t0 = thread_cpu_us();
+        setups[m]->step();
+        calls.push_back(thread_cpu_us() - t0);
+      };
+      wall[m].push_back(bench::median_us(timed, 3, 1));
+      calls.erase(calls.begin());  // the warm-up
+      cpu[m].push_back(median(calls));
+    }
+    wall_ratio.push_back(wall[2].back() / wall[1].back());
+    cpu_ratio.push_back(cpu[2].back() / cpu[1].back());
+  }
+  Times t;
+  for (int m = 0; m < 3; ++m) {
+    t.wall_us[m] = median(wall[m]);
+    t.cpu_us[m] = median(cpu[m]);
+  }
+  t.wall_ratio = median(wall_ratio);
+  t.cpu_ratio = median(cpu_ratio);
+  return t;
 }
 
 double mib(long long bytes) {
@@ -127,7 +158,7 @@ double mib(long long bytes) {
 
 int main(int argc, char** argv) {
   int threads = 1;
-  int rounds = 9;
+  int rounds = 11;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0) threads = std::stoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::stoi(argv[i + 1]);
@@ -138,31 +169,30 @@ int main(int argc, char** argv) {
       "fused step vs standard step: %d x Linear(%d, %d), batch %d, fp32, %d intra-op "
       "thread(s)\n",
       kLayers, kWidth, kWidth, kBatch, threads);
-  std::printf("%-5s %-9s %11s %10s %13s %9s\n", "optim", "step", "before_MiB", "peak_MiB",
-              "step_extra_MiB", "step_ms");
+  std::printf("%-5s %-9s %11s %10s %15s %9s %9s\n", "optim", "step", "before_MiB", "peak_MiB",
+              "step_extra_MiB", "wall_ms", "cpu_ms");
   double peak_ratio[2] = {0, 0};
   double adam_time_ratio = 0;
   const char* kinds[2] = {"sgd", "adam"};
+  const char* rows[3] = {"no step", "standard", "fused"};
   for (int k = 0; k < 2; ++k) {
     const std::string kind = kinds[k];
-    const Memory none = measure_memory(kind, Mode::no_step);
-    const Memory standard = measure_memory(kind, Mode::standard);
-    const Memory fused = measure_memory(kind, Mode::fused);
+    Memory memory[3];
+    for (int m = 0; m < 3; ++m) memory[m] = measure_memory(kind, static_cast<Mode>(m));
     const Times t = measure_time(kind, rounds);
-    std::printf("%-5s %-9s %11.1f %10.1f %13.1f %9.2f\n", kind.c_str(), "no step", mib(none.before),
-                mib(none.peak), mib(none.peak - none.before), t.no_step_us / 1000);
-    std::printf("%-5s %-9s %11.1f %10.1f %13.1f %9.2f\n", kind.c_str(), "standard",
-                mib(standard.before), mib(standard.peak), mib(standard.peak - standard.before),
-                t.standard_us / 1000);
-    std::printf("%-5s %-9s %11.1f %10.1f %13.1f %9.2f\n", kind.c_str(), "fused", mib(fused.before),
-                mib(fused.peak), mib(fused.peak - fused.before), t.fused_us / 1000);
-    peak_ratio[k] = static_cast<double>(fused.peak) / static_cast<double>(standard.peak);
+    for (int m = 0; m < 3; ++m) {
+      std::printf("%-5s %-9s %11.1f %10.1f %15.1f %9.1f %9.1f\n", kind.c_str(), rows[m],
+                  mib(memory[m].before), mib(memory[m].peak),
+                  mib(memory[m].peak - memory[m].before), t.wall_us[m] / 1000, t.cpu_us[m] / 1000);
+    }
+    peak_ratio[k] = static_cast<double>(memory[2].peak) / static_cast<double>(memory[1].peak);
     std::printf(
-        "%-5s fused/standard: peak %.3f, time %.3f (median of %d alternating rounds); "
-        "time over forward+backward: standard %+.2f ms, fused %+.2f ms\n",
-        kind.c_str(), peak_ratio[k], t.ratio, rounds, (t.standard_us - t.no_step_us) / 1000,
-        (t.fused_us - t.no_step_us) / 1000);
-    if (kind == "adam") adam_time_ratio = t.ratio;
+        "%-5s fused/standard: peak %.3f, wall time %.3f, cpu time %.3f (medians of %d "
+        "alternating rounds); cpu over forward+backward: standard %+.1f ms, fused %+.1f "
+        "ms\n",
+        kind.c_str(), peak_ratio[k], t.wall_ratio, t.cpu_ratio, rounds,
+        (t.cpu_us[1] - t.cpu_us[0]) / 1000, (t.cpu_us[2] - t.cpu_us[0]) / 1000);
+    if (kind == "adam") adam_time_ratio = t.wall_ratio;
   }
   std::printf("fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f\n",
               peak_ratio[0], peak_ratio[1], adam_time_ratio);

@@ -358,6 +358,17 @@ TEST_SUITE("fused step: hooks are never leaked") {
     for (const auto& p : params) CHECK(hooks_on(p) == 1);
     test::forward_backward(net, 1);
     CHECK(test::all_grads_empty(params));
+    // A failed attach leaves no hook behind.
+    fused.detach();
+    net->c_->bias.requires_grad_(false);
+    CHECK_THROWS_WITH(fused.attach(),
+                      doctest::Contains("parameter 5 (shape [3]) no longer "
+                                        "requires grad. Call requires_grad_(true)"));
+    CHECK_FALSE(fused.attached());
+    for (std::size_t i = 0; i + 1 < params.size(); ++i) CHECK(hooks_on(params[i]) == 0);
+    net->c_->bias.requires_grad_(true);
+    fused.attach();
+    for (const auto& p : params) CHECK(hooks_on(p) == 1);
   }
   TEST_CASE("destroying a FusedStep removes its hooks; a rebuilt one installs one per parameter") {
     auto net = test::make_net({});

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -139,5 +140,47 @@ struct FusedState {
   optim::OptimizerFactory factory;
   bool attached = false;
 };
+
+// Checks the parameters and builds one optimizer per parameter (FusedStep's constructor).
+inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,
+                                                    optim::OptimizerFactory factory) {
+  TORCH_CHECK(static_cast<bool>(factory),
+              "stagewise::optim::FusedStep: the optimizer factory is empty. Pass options "
+              "(e.g. torch::optim::AdamOptions(1e-3)) or a factory that builds an optimizer.");
+  TORCH_CHECK(!params.tensors.empty(),
+              "stagewise::optim::FusedStep: no parameters to optimize. Pass "
+              "model->parameters() or model->named_parameters().");
+  auto state = std::make_unique<FusedState>();
+  state->factory = std::move(factory);
+  std::unordered_set<const void*> seen;
+  for (std::size_t i = 0; i < params.tensors.size(); ++i) {
+    auto slot = std::make_unique<FusedSlot>();
+    slot->param = params.tensors[i];
+    slot->name = params.names.empty() ? std::string() : params.names[i];
+    slot->index = i;
+    slot->shared = &state->shared;
+    const auto& p = slot->param;
+    TORCH_CHECK(p.defined(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " is an undefined tensor. Pass the model's parameters.");
+    TORCH_CHECK(p.requires_grad(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " does not require grad, so it never gets a gradient to step on. Leave it out "
+                "(keep only parameters with requires_grad()) or call requires_grad_(true).");
+    TORCH_CHECK(p.is_leaf(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " is not a leaf tensor (it has a grad_fn), so autograd accumulates no gradient "
+                "into it. Pass the model's parameters, not tensors computed from them.");
+    TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
+                "stagewise::optim::FusedStep: ", slot->describe(),
+                " is listed twice, so it would step twice per gradient. Pass each parameter once.");
+    slot->optimizer = state->factory({p});
+    const auto* opt = slot->optimizer.get();
+    TORCH_CHECK(opt && opt->param_groups().size() == 1 &&
+                    opt->param_groups()[0].params().size() == 1 &&
+                    opt->param_groups()[0].params()[0].is_same(p),
+                "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
+                "with one param group holding exactly the parameters it is given.");
+    state->slots.push_back(std::move(slot));
+  }
+  return state;
+}
 
 }  // namespace stagewise::detail

@@ -13,7 +13,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -53,43 +52,7 @@ class FusedStep {
   /// Fuses any optimizer the factory builds (it must build one group over exactly the
   /// parameters it is given, and step without a closure).
   FusedStep(detail::ParameterList params, OptimizerFactory factory)
-      : state_(std::make_unique<detail::FusedState>()) {
-    TORCH_CHECK(static_cast<bool>(factory),
-                "stagewise::optim::FusedStep: the optimizer factory is empty. Pass options "
-                "(e.g. torch::optim::AdamOptions(1e-3)) or a factory that builds an optimizer.");
-    TORCH_CHECK(!params.tensors.empty(),
-                "stagewise::optim::FusedStep: no parameters to optimize. Pass "
-                "model->parameters() or model->named_parameters().");
-    state_->factory = std::move(factory);
-    std::unordered_set<const void*> seen;
-    for (std::size_t i = 0; i < params.tensors.size(); ++i) {
-      auto slot = std::make_unique<detail::FusedSlot>();
-      slot->param = params.tensors[i];
-      slot->name = params.names.empty() ? std::string() : params.names[i];
-      slot->index = i;
-      slot->shared = &state_->shared;
-      const auto& p = slot->param;
-      TORCH_CHECK(p.defined(), "stagewise::optim::FusedStep: ", slot->describe(),
-                  " is an undefined tensor. Pass the model's parameters.");
-      TORCH_CHECK(p.requires_grad(), "stagewise::optim::FusedStep: ", slot->describe(),
-                  " does not require grad, so it never gets a gradient to step on. Leave it out "
-                  "(keep only parameters with requires_grad()) or call requires_grad_(true).");
-      TORCH_CHECK(p.is_leaf(), "stagewise::optim::FusedStep: ", slot->describe(),
-                  " is not a leaf tensor (it has a grad_fn), so autograd accumulates no gradient "
-                  "into it. Pass the model's parameters, not tensors computed from them.");
-      TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
-                  "stagewise::optim::FusedStep: ", slot->describe(),
-                  " is listed twice, so it would step twice per gradient. "
-                  "Pass each parameter once.");
-      slot->optimizer = state_->factory({p});
-      const auto* opt = slot->optimizer.get();
-      TORCH_CHECK(opt && opt->param_groups().size() == 1 &&
-                      opt->param_groups()[0].params().size() == 1 &&
-                      opt->param_groups()[0].params()[0].is_same(p),
-                  "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
-                  "with one param group holding exactly the parameters it is given.");
-      state_->slots.push_back(std::move(slot));
-    }
+      : state_(detail::make_fused_state(std::move(params), std::move(factory))) {
     attach();
   }
 
@@ -191,15 +154,20 @@ class FusedStep {
   void attach() {
     auto& st = state();
     if (st.attached) return;
-    for (auto& slot : st.slots) {
-      // The tensor holds its AccumulateGrad node only weakly: keep it alive, or the node (and
-      // the hook on it) is rebuilt without the hook by the next forward.
-      slot->accumulator = torch::autograd::impl::grad_accumulator(slot->param);
-      TORCH_CHECK(slot->accumulator, "stagewise::optim::FusedStep::attach: ", slot->describe(),
-                  " no longer requires grad. Call requires_grad_(true) on it first.");
-      slot->hook_key =
-          slot->accumulator->add_post_hook(std::make_unique<detail::FusedPostHook>(slot.get()));
-      slot->arrivals.store(0);
+    try {
+      for (auto& slot : st.slots) {
+        // The tensor holds its AccumulateGrad node only weakly: keep it alive, or the next
+        // forward builds a new node without the hook.
+        auto node = torch::autograd::impl::grad_accumulator(slot->param);
+        TORCH_CHECK(node, "stagewise::optim::FusedStep::attach: ", slot->describe(),
+                    " no longer requires grad. Call requires_grad_(true) on it first.");
+        slot->hook_key = node->add_post_hook(std::make_unique<detail::FusedPostHook>(slot.get()));
+        slot->accumulator = std::move(node);
+        slot->arrivals.store(0);
+      }
+    } catch (...) {
+      detach();  // no hook may outlive a failed attach
+      throw;
     }
     st.attached = true;
   }
