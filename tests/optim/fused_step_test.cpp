@@ -178,6 +178,54 @@ TEST_SUITE("fused step under checkpointing (stand-in for stagewise::checkpoint)"
     test::on_recompute() = nullptr;
     CHECK(r.stale_recomputes == 1);
   }
+  TEST_CASE(
+      "one backward over M micro-batches: a checkpointed layer gets one gradient per recompute "
+      "plus one for the rest (always: M, except_last: M, never: 1)") {
+    constexpr int m = 3;
+    for (int checkpointed : {m, m - 1, 0}) {
+      const int k = checkpointed + (checkpointed < m ? 1 : 0);
+      CAPTURE(checkpointed);
+      auto train = [&](bool fuse, int* stale) {
+        auto net = test::make_net({});
+        std::unique_ptr<sw::optim::FusedStep> fused;
+        std::unique_ptr<optim::Adam> opt;
+        if (fuse) {
+          fused = std::make_unique<sw::optim::FusedStep>(net->parameters(), adam);
+          fused->set_accumulation_steps(k, net->b->parameters());  // a and c: 1, summed by autograd
+        } else {
+          opt = std::make_unique<optim::Adam>(net->parameters(), adam);
+        }
+        torch::Tensor start;
+        test::on_recompute() = [&] { *stale += !torch::equal(net->b->weight, start); };
+        for (int s = 0; s < 5; ++s) {
+          start = net->b->weight.detach().clone();
+          torch::manual_seed(4000 + s);
+          auto xs = torch::randn({6, 6}).chunk(m);
+          std::vector<torch::Tensor> outs;
+          for (int i = 0; i < m; ++i) {
+            auto h = torch::tanh(net->a(xs[i]));
+            h = i < checkpointed ? test::CheckpointStandIn::apply(h, &net->block_fn)
+                                 : net->block_fn(h);
+            outs.push_back(net->c_(h));
+          }
+          torch::cat(outs).pow(2).mean().backward();  // one backward for all micro-batches
+          if (fused) {
+            fused->finish_step();
+          } else {
+            opt->step();
+            opt->zero_grad();
+          }
+        }
+        test::on_recompute() = nullptr;
+        return net->parameters();
+      };
+      int stale = 0;
+      const auto reference = train(false, &stale);
+      const auto result = train(true, &stale);
+      CHECK(test::max_abs_diff(reference, result) == 0.0);
+      CHECK(stale == 0);
+    }
+  }
 }
 
 TEST_SUITE("fused step in a pipeline stand-in: stages step on their own backward threads") {
