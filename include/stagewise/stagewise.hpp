@@ -24,3 +24,6 @@
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/stage_list.hpp"
 #include "stagewise/stage/stage_spec.hpp"
+#include "stagewise/optim/clip.hpp"
+#include "stagewise/optim/fused_step.hpp"
+#include "stagewise/optim/optimizer_for.hpp"

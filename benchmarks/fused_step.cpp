@@ -1,0 +1,200 @@
+// fused_step: peak tensor memory and step time of the optimizer step fused into backward,
+// against the standard step (backward, optimizer.step(), gradients set to none).
+//   ./bazelw run -c opt //benchmarks:fused_step [-- --threads N]
+// Model: 8 x Linear(1024, 1024) with ReLU between, batch 64, fp32, MSE loss; SGD (no momentum)
+// and Adam. Memory: every live CPU tensor byte (counting allocator), parameters and optimizer
+// state included. Time: median step time; "no step" (forward and backward only), standard and
+// fused alternate in rounds so that load from other processes hits all alike. The last line is
+// the summary.
+#include "benchmarks/common/memory.hpp"
+#include "benchmarks/common/timing.hpp"
+
+#include <stagewise/stagewise.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sw = stagewise;
+namespace bench = stagewise::bench;
+
+namespace {
+
+constexpr int kLayers = 8;
+constexpr int kWidth = 1024;
+constexpr int kBatch = 64;
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(0);
+  torch::nn::Sequential mlp;
+  for (int i = 0; i < kLayers; ++i) {
+    mlp->push_back(torch::nn::Linear(kWidth, kWidth));
+    if (i + 1 < kLayers) mlp->push_back(torch::nn::ReLU());
+  }
+  return mlp;
+}
+
+enum class Mode { no_step, standard, fused };
+
+// One training setup: a model, its data and a step function.
+struct Setup {
+  torch::nn::Sequential mlp = make_mlp();
+  torch::Tensor x = torch::randn({kBatch, kWidth});
+  torch::Tensor y = torch::randn({kBatch, kWidth});
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // standard
+  std::unique_ptr<sw::optim::FusedStep> fused;         // fused
+  std::function<void()> step;
+
+  Setup(const std::string& kind, Mode mode) {
+    auto factory = kind == "sgd"
+                       ? sw::optim::make_optimizer_factory(torch::optim::SGDOptions(1e-3))
+                       : sw::optim::make_optimizer_factory(torch::optim::AdamOptions(1e-4));
+    auto forward_backward = [this] { torch::mse_loss(mlp->forward(x), y).backward(); };
+    if (mode == Mode::no_step) {  // forward and backward only: what both steps add to
+      step = [this, forward_backward] {
+        forward_backward();
+        for (auto& p : mlp->parameters()) p.mutable_grad().reset();
+      };
+    } else if (mode == Mode::fused) {
+      fused = std::make_unique<sw::optim::FusedStep>(mlp->parameters(), factory);
+      step = [this, forward_backward] {
+        forward_backward();  // every parameter steps inside
+        fused->finish_step();
+      };
+    } else {
+      optimizer = factory(mlp->parameters());
+      step = [this, forward_backward] {
+        forward_backward();
+        optimizer->step();
+        for (auto& p : mlp->parameters()) p.mutable_grad().reset();  // zero_grad(set_to_none)
+      };
+    }
+    step();  // creates the optimizer state, so the measured steps are steady-state ones
+    step();
+  }
+};
+
+struct Memory {
+  long long before = 0;  // parameters, optimizer state, data: alive before the step
+  long long peak = 0;    // the most alive at once during the step
+};
+
+Memory measure_memory(const std::string& kind, Mode mode) {
+  auto& mem = bench::counting_allocator();
+  Setup setup(kind, mode);
+  Memory m;
+  m.before = mem.current();
+  mem.reset_peak();
+  setup.step();
+  m.peak = mem.peak();
+  return m;
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+// CPU time of the calling thread. With one intra-op thread all of a CPU step runs on it (autograd
+// runs CPU backward on the caller), and unlike wall time it does not grow while other processes
+// hold the core, so it is the steadier measure on a shared machine.
+double thread_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
+struct Times {
+  double wall_us[3] = {0, 0, 0};  // no step, standard, fused
+  double cpu_us[3] = {0, 0, 0};
+  double wall_ratio = 0, cpu_ratio = 0;  // fused / standard
+};
+
+// Alternating rounds of the three; each round takes median_us of 3 steps (after 1 warm-up) and
+// the thread CPU time of the same steps. Ratios are medians of the rounds' ratios.
+Times measure_time(const std::string& kind, int rounds) {
+  std::vector<std::unique_ptr<Setup>> setups;
+  for (Mode mode : {Mode::no_step, Mode::standard, Mode::fused}) {
+    setups.push_back(std::make_unique<Setup>(kind, mode));
+  }
+  std::vector<double> wall[3], cpu[3], wall_ratio, cpu_ratio;
+  for (int r = 0; r < rounds; ++r) {
+    for (int m = 0; m < 3; ++m) {
+      std::vector<double> calls;
+      auto timed = [&] {
+        const double t0 = thread_cpu_us();
+        setups[m]->step();
+        calls.push_back(thread_cpu_us() - t0);
+      };
+      wall[m].push_back(bench::median_us(timed, 3, 1));
+      calls.erase(calls.begin());  // the warm-up
+      cpu[m].push_back(median(calls));
+    }
+    wall_ratio.push_back(wall[2].back() / wall[1].back());
+    cpu_ratio.push_back(cpu[2].back() / cpu[1].back());
+  }
+  Times t;
+  for (int m = 0; m < 3; ++m) {
+    t.wall_us[m] = median(wall[m]);
+    t.cpu_us[m] = median(cpu[m]);
+  }
+  t.wall_ratio = median(wall_ratio);
+  t.cpu_ratio = median(cpu_ratio);
+  return t;
+}
+
+double mib(long long bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 1;
+  int rounds = 11;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--threads") == 0) threads = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::stoi(argv[i + 1]);
+  }
+  bench::counting_allocator();  // before any tensor exists
+  at::set_num_threads(threads);
+  std::printf(
+      "fused step vs standard step: %d x Linear(%d, %d), batch %d, fp32, %d intra-op "
+      "thread(s)\n",
+      kLayers, kWidth, kWidth, kBatch, threads);
+  std::printf("%-5s %-9s %11s %10s %15s %9s %9s\n", "optim", "step", "before_MiB", "peak_MiB",
+              "step_extra_MiB", "wall_ms", "cpu_ms");
+  double peak_ratio[2] = {0, 0};
+  double adam_time_ratio = 0;
+  const char* kinds[2] = {"sgd", "adam"};
+  const char* rows[3] = {"no step", "standard", "fused"};
+  for (int k = 0; k < 2; ++k) {
+    const std::string kind = kinds[k];
+    Memory memory[3];
+    for (int m = 0; m < 3; ++m) memory[m] = measure_memory(kind, static_cast<Mode>(m));
+    const Times t = measure_time(kind, rounds);
+    for (int m = 0; m < 3; ++m) {
+      std::printf("%-5s %-9s %11.1f %10.1f %15.1f %9.1f %9.1f\n", kind.c_str(), rows[m],
+                  mib(memory[m].before), mib(memory[m].peak),
+                  mib(memory[m].peak - memory[m].before), t.wall_us[m] / 1000, t.cpu_us[m] / 1000);
+    }
+    peak_ratio[k] = static_cast<double>(memory[2].peak) / static_cast<double>(memory[1].peak);
+    std::printf(
+        "%-5s fused/standard: peak %.3f, wall time %.3f, cpu time %.3f (medians of %d "
+        "alternating rounds); cpu over forward+backward: standard %+.1f ms, fused %+.1f "
+        "ms\n",
+        kind.c_str(), peak_ratio[k], t.wall_ratio, t.cpu_ratio, rounds,
+        (t.cpu_us[1] - t.cpu_us[0]) / 1000, (t.cpu_us[2] - t.cpu_us[0]) / 1000);
+    if (kind == "adam") adam_time_ratio = t.wall_ratio;
+  }
+  std::printf("fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f\n",
+              peak_ratio[0], peak_ratio[1], adam_time_ratio);
+  return 0;
+}

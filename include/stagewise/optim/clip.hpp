@@ -1,0 +1,173 @@
+#pragma once
+
+#include "stagewise/optim/fused_slot.hpp"
+#include "stagewise/optim/fused_step.hpp"
+
+#include <ATen/Context.h>
+#include <c10/util/Optional.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
+
+#include <concepts>
+#include <cstddef>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace stagewise {
+namespace detail {
+
+// The default CPU and CUDA generators' states, so that a forward can be replayed with the same
+// random numbers (dropout masks, noise).
+class RngSnapshot {
+ public:
+  static RngSnapshot capture() {
+    RngSnapshot s;
+    s.cpu_ = state_of(at::globalContext().defaultGenerator(c10::DeviceType::CPU));
+    if (torch::cuda::is_available()) {
+      const auto n = torch::cuda::device_count();
+      for (std::size_t i = 0; i < n; ++i) s.cuda_.push_back(state_of(cuda_generator(i)));
+    }
+    return s;
+  }
+  void restore() const {
+    restore_into(at::globalContext().defaultGenerator(c10::DeviceType::CPU), cpu_);
+    for (std::size_t i = 0; i < cuda_.size(); ++i) restore_into(cuda_generator(i), cuda_[i]);
+  }
+
+ private:
+  static at::Generator cuda_generator(std::size_t i) {
+    return at::globalContext().defaultGenerator(
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
+  }
+  static torch::Tensor state_of(at::Generator gen) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state();
+  }
+  static void restore_into(at::Generator gen, const torch::Tensor& state) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+  torch::Tensor cpu_;
+  std::vector<torch::Tensor> cuda_;
+};
+
+struct FusedStepAccess {
+  static FusedState& state(optim::FusedStep& fused) { return fused.state(); }
+};
+
+// Puts the hooks back in update mode and drops half-done work if a pass throws.
+struct FusedPassGuard {
+  FusedState& st;
+  bool done = false;
+  ~FusedPassGuard() {
+    st.shared.mode.store(FusedMode::update);
+    st.shared.clip_coef = torch::Tensor();
+    if (done) return;
+    for (auto& slot : st.slots) {
+      slot->arrivals.store(0);
+      slot->has_norm = false;
+      slot->norm = torch::Tensor();
+      slot->param.mutable_grad().reset();
+    }
+  }
+};
+
+}  // namespace detail
+
+namespace optim {
+
+/// What `clip_grad_norm_step` returns: the update pass's loss (undefined when the closure runs
+/// backward itself) and the total gradient norm before clipping.
+struct ClipStepResult {
+  torch::Tensor loss;
+  double total_norm = 0.0;
+};
+
+/// A closure for `clip_grad_norm_step`: returns the loss (it then runs `loss.backward()`), or
+/// returns nothing and runs its own backward passes (e.g. one per micro-batch).
+template <class F>
+concept loss_closure = std::invocable<F&> &&
+    (std::same_as<std::invoke_result_t<F&>, torch::Tensor> ||
+     std::is_void_v<std::invoke_result_t<F&>>);
+
+/// One fused step with global gradient-norm clipping, the LOMO way: the closure runs twice. The
+/// norm pass only records each parameter's gradient norm and frees the gradient; then, with the
+/// CPU and CUDA random generators rewound so dropout draws the same masks, the update pass
+/// multiplies each gradient by min(1, max_norm / (total_norm + 1e-6)) and steps. The result is
+/// bit-identical to `torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type)` followed by
+/// the unfused step, at the price of a second forward and backward.
+///
+/// The closure must compute the same thing both times: take the batch outside it, and note that
+/// side effects (BatchNorm running statistics, counters) happen twice.
+///   auto r = sw::optim::clip_grad_norm_step(fused, [&] { return loss_fn(model(x), y); }, 1.0);
+template <loss_closure F>
+ClipStepResult clip_grad_norm_step(FusedStep& fused, F&& closure, double max_norm,
+                                   double norm_type = 2.0) {
+  auto& st = detail::FusedStepAccess::state(fused);
+  TORCH_CHECK(st.attached,
+              "stagewise::optim::clip_grad_norm_step: the fused step is detached. Call "
+              "attach() first, or clip with torch::nn::utils::clip_grad_norm_ and step yourself.");
+  for (const auto& slot : st.slots) {
+    TORCH_CHECK(slot->arrivals.load() == 0,
+                "stagewise::optim::clip_grad_norm_step: ", slot->describe(),
+                " is part-way through accumulating. Call it between steps: "
+                "its closure runs every backward pass of the step.");
+  }
+  auto run = [&closure]() -> torch::Tensor {
+    if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
+      std::invoke(closure);
+      return torch::Tensor();
+    } else {
+      torch::Tensor loss = std::invoke(closure);
+      loss.backward();
+      return loss;
+    }
+  };
+
+  detail::FusedPassGuard guard{st};
+  const auto rng = detail::RngSnapshot::capture();
+  st.shared.norm_type = norm_type;
+  st.shared.mode.store(detail::FusedMode::norm);
+  run();
+  st.shared.mode.store(detail::FusedMode::update);
+
+  // The total, as clip_grad_norm_ computes it: per-parameter norms in parameter order, stacked.
+  std::vector<torch::Tensor> norms;
+  for (auto& slot : st.slots) {
+    TORCH_CHECK(slot->arrivals.load() == 0,
+                "stagewise::optim::clip_grad_norm_step: ", slot->describe(), " got ",
+                slot->arrivals.load(), " of its ", slot->accumulation_steps,
+                " gradients in the norm pass. Make the closure run "
+                "every backward pass of the step, or fix set_accumulation_steps.");
+    if (slot->has_norm) norms.push_back(slot->norm);
+    slot->has_norm = false;
+    slot->norm = torch::Tensor();
+  }
+  double total_norm = 0.0;  // with no gradient at all there is nothing to clip
+  if (!norms.empty()) {
+    torch::Tensor total;
+    if (norm_type == std::numeric_limits<double>::infinity()) {
+      total = norms.size() == 1 ? norms[0] : torch::max(torch::stack(norms));
+    } else if (norm_type == 0) {
+      total = torch::full({}, static_cast<double>(norms.size()));
+    } else {
+      total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(norm_type);
+    }
+    st.shared.clip_coef = torch::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
+    total_norm = total.item<double>();
+  }
+
+  rng.restore();
+  ClipStepResult result;
+  result.loss = run();
+  result.total_norm = total_norm;
+  guard.done = true;
+  return result;
+}
+
+}  // namespace optim
+}  // namespace stagewise

@@ -1,0 +1,186 @@
+#pragma once
+
+// Internals of optim::FusedStep: one slot per parameter and the hook that steps it.
+
+#include "stagewise/optim/optimizer_for.hpp"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+#include <torch/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace stagewise::detail {
+
+/// The parameters given to `optim::FusedStep`: a plain list, or `named_parameters()` so that
+/// error messages can name them.
+struct ParameterList {
+  ParameterList(std::vector<torch::Tensor> params) : tensors(std::move(params)) {}
+  ParameterList(std::initializer_list<torch::Tensor> params) : tensors(params) {}
+  ParameterList(const torch::OrderedDict<std::string, torch::Tensor>& named)
+      : tensors(named.values()), names(named.keys()) {}
+  std::vector<torch::Tensor> tensors;
+  std::vector<std::string> names;  // empty, or one per tensor
+};
+
+// The key a torch::optim optimizer files a parameter's state under: the TensorImpl address as a
+// string in LibTorch 1.x, the address itself in 2.x. (A template so that the branch for the other
+// version is discarded.)
+template <class Optimizer = torch::optim::Optimizer>
+auto optimizer_state_key(const torch::Tensor& param) {
+  using map_type = std::remove_cvref_t<decltype(std::declval<Optimizer&>().state())>;
+  using key_type = typename map_type::key_type;
+  if constexpr (std::is_same_v<key_type, std::string>) {
+    std::ostringstream os;  // what c10::guts::to_string does in 1.x's optimizers
+    os << param.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return static_cast<key_type>(param.unsafeGetTensorImpl());
+  }
+}
+
+// One parameter's contribution to clip_grad_norm_'s total norm, computed as it does.
+inline torch::Tensor grad_norm_part(const torch::Tensor& grad, double norm_type) {
+  if (norm_type == std::numeric_limits<double>::infinity()) return grad.abs().max();
+  if (norm_type == 0) return torch::Tensor();  // norm 0 counts parameters with a gradient
+  return grad.norm(norm_type);
+}
+
+enum class FusedMode : int { update, norm };
+
+// Shared by every parameter's hook. Written only between backward passes.
+struct FusedShared {
+  std::atomic<FusedMode> mode{FusedMode::update};
+  double norm_type = 2.0;   // norm pass: the norm to take
+  torch::Tensor clip_coef;  // update pass: defined while clipping, multiplies each gradient
+  std::atomic<std::int64_t> updated{0};  // parameters stepped since the last finish_step
+};
+
+// One parameter: its optimizer, its hook's node and its per-step counts. Touched by the thread
+// running this parameter's backward (one stage's worker) and, between steps, by the caller.
+struct FusedSlot {
+  torch::Tensor param;
+  std::string name;
+  std::size_t index = 0;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::shared_ptr<torch::autograd::Node> accumulator;
+  std::uintptr_t hook_key = 0;
+  int accumulation_steps = 1;
+  std::atomic<int> arrivals{0};  // gradients since the last step
+  std::atomic<int> updates{0};   // steps since the last finish_step
+  torch::Tensor norm;            // norm pass result
+  bool has_norm = false;
+  FusedShared* shared = nullptr;
+
+  std::string describe() const {
+    std::ostringstream os;
+    if (!name.empty()) {
+      os << "parameter '" << name << "'";
+    } else {
+      os << "parameter " << index;
+    }
+    if (param.defined()) os << " (shape " << param.sizes() << ")";
+    return os.str();
+  }
+
+  // Runs after AccumulateGrad has added this backward's gradient to param.grad().
+  void on_gradient() {
+    const int arrived = arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (arrived < accumulation_steps) return;  // not the last micro-batch: keep accumulating
+    arrivals.store(0, std::memory_order_relaxed);
+    torch::NoGradGuard no_grad;
+    torch::Tensor& grad = param.mutable_grad();
+    if (shared->mode.load(std::memory_order_acquire) == FusedMode::norm) {
+      if (grad.defined()) {
+        norm = grad_norm_part(grad, shared->norm_type);
+        has_norm = true;
+      }
+    } else {
+      // Like an unfused optimizer, a parameter whose gradient is undefined is not stepped.
+      if (grad.defined()) {
+        if (shared->clip_coef.defined()) grad.mul_(shared->clip_coef);
+        optimizer->step();
+      }
+      updates.fetch_add(1, std::memory_order_relaxed);
+      shared->updated.fetch_add(1, std::memory_order_relaxed);
+    }
+    grad.reset();  // the point of it all: the gradient is gone as soon as it is used
+  }
+};
+
+// The post hook on a parameter's AccumulateGrad node. AccumulateGrad has no outputs, so
+// returning them costs no allocation.
+struct FusedPostHook final : torch::autograd::FunctionPostHook {
+  explicit FusedPostHook(FusedSlot* s) : slot(s) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    slot->on_gradient();
+    return outputs;
+  }
+  FusedSlot* slot;
+};
+
+// Everything a FusedStep owns, on the heap so that hooks keep valid pointers when it moves.
+struct FusedState {
+  std::vector<std::unique_ptr<FusedSlot>> slots;
+  FusedShared shared;
+  optim::OptimizerFactory factory;
+  bool attached = false;
+};
+
+// Checks the parameters and builds one optimizer per parameter (FusedStep's constructor).
+inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,
+                                                    optim::OptimizerFactory factory) {
+  TORCH_CHECK(static_cast<bool>(factory),
+              "stagewise::optim::FusedStep: the optimizer factory is empty. Pass options "
+              "(e.g. torch::optim::AdamOptions(1e-3)) or a factory that builds an optimizer.");
+  TORCH_CHECK(!params.tensors.empty(),
+              "stagewise::optim::FusedStep: no parameters to optimize. Pass "
+              "model->parameters() or model->named_parameters().");
+  auto state = std::make_unique<FusedState>();
+  state->factory = std::move(factory);
+  std::unordered_set<const void*> seen;
+  for (std::size_t i = 0; i < params.tensors.size(); ++i) {
+    auto slot = std::make_unique<FusedSlot>();
+    slot->param = params.tensors[i];
+    slot->name = params.names.empty() ? std::string() : params.names[i];
+    slot->index = i;
+    slot->shared = &state->shared;
+    const auto& p = slot->param;
+    TORCH_CHECK(p.defined(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " is an undefined tensor. Pass the model's parameters.");
+    TORCH_CHECK(p.requires_grad(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " does not require grad, so it never gets a gradient to step on. Leave it out "
+                "(keep only parameters with requires_grad()) or call requires_grad_(true).");
+    TORCH_CHECK(p.is_leaf(), "stagewise::optim::FusedStep: ", slot->describe(),
+                " is not a leaf tensor (it has a grad_fn), so autograd accumulates no gradient "
+                "into it. Pass the model's parameters, not tensors computed from them.");
+    TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
+                "stagewise::optim::FusedStep: ", slot->describe(),
+                " is listed twice, so it would step twice per gradient. Pass each parameter once.");
+    slot->optimizer = state->factory({p});
+    const auto* opt = slot->optimizer.get();
+    TORCH_CHECK(opt && opt->param_groups().size() == 1 &&
+                    opt->param_groups()[0].params().size() == 1 &&
+                    opt->param_groups()[0].params()[0].is_same(p),
+                "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
+                "with one param group holding exactly the parameters it is given.");
+    state->slots.push_back(std::move(slot));
+  }
+  return state;
+}
+
+}  // namespace stagewise::detail

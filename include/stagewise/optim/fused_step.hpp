@@ -1,0 +1,294 @@
+#pragma once
+
+#include "stagewise/optim/fused_slot.hpp"
+#include "stagewise/optim/optimizer_for.hpp"
+
+#include <torch/csrc/autograd/variable.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise {
+namespace detail {
+struct FusedStepAccess;  // defined by clip.hpp, which drives the norm pass
+}  // namespace detail
+
+namespace optim {
+
+/// The optimizer step fused into backward (LOMO-style): each parameter is updated the moment its
+/// gradient is final, and the gradient is freed at once, so gradient memory falls from the whole
+/// model to about one tensor. Bit-identical to the unfused optimizer for optimizers without
+/// cross-parameter coupling (SGD, Adam, AdamW, RMSprop, Adagrad): each parameter gets its own
+/// optimizer over a one-parameter group.
+///
+/// Use it in place of `optimizer.step(); optimizer.zero_grad();`:
+///   sw::optim::FusedStep fused(model->named_parameters(), torch::optim::AdamOptions(1e-3));
+///   for (...) { loss_fn(model->forward(x), y).backward(); }  // parameters updated, .grad empty
+///
+/// A parameter steps on its k-th gradient since its last step (k = `set_accumulation_steps`,
+/// default 1): one per backward pass that reaches it. With micro-batches (gradient accumulation,
+/// a pipeline stage's M backward passes) set k to their number; gradients are then held, as
+/// usual, until the last one. `finish_step()` checks that every parameter stepped exactly once.
+///
+/// Threads: a parameter's hook runs on the thread running its backward; different parameters
+/// may step concurrently on different threads (one pipeline stage each), with no shared lock.
+/// One parameter must not get gradients from two threads in one step. Call the other member
+/// functions between steps, not while a backward pass is running.
+class FusedStep {
+ public:
+  /// Fuses `optimizer_for<Options>` (e.g. `torch::optim::SGDOptions(0.1).momentum(0.9)`).
+  template <fusable_options Options>
+  FusedStep(detail::ParameterList params, Options options)
+      : FusedStep(std::move(params), make_optimizer_factory(std::move(options))) {}
+
+  /// Fuses any optimizer the factory builds (it must build one group over exactly the
+  /// parameters it is given, and step without a closure).
+  FusedStep(detail::ParameterList params, OptimizerFactory factory)
+      : state_(detail::make_fused_state(std::move(params), std::move(factory))) {
+    attach();
+  }
+
+  FusedStep(FusedStep&&) noexcept = default;
+  FusedStep& operator=(FusedStep&& other) noexcept {
+    if (this != &other) {
+      if (state_) detach();
+      state_ = std::move(other.state_);
+    }
+    return *this;
+  }
+  /// Removes every hook: no hook outlives its FusedStep.
+  ~FusedStep() {
+    if (state_) detach();
+  }
+
+  /// Makes every parameter step on its k-th gradient (k >= 1): k backward passes per step, e.g.
+  /// the number of micro-batches. Gradient memory is then saved only on the k-th pass. Between
+  /// steps only.
+  void set_accumulation_steps(int k) {
+    check_between_steps("set_accumulation_steps");
+    check_steps(k);
+    for (auto& slot : state().slots) slot->accumulation_steps = k;
+  }
+
+  /// Sets k for some parameters only: for one that receives several gradients per backward
+  /// pass (a layer checkpointed twice with reentrant recompute delivers one per recompute).
+  ///   fused.set_accumulation_steps(2, shared_layer->parameters());
+  void set_accumulation_steps(int k, const std::vector<torch::Tensor>& params) {
+    check_between_steps("set_accumulation_steps");
+    check_steps(k);
+    for (const auto& p : params) find(p, "set_accumulation_steps").accumulation_steps = k;
+  }
+
+  /// Ends a step: checks that every parameter stepped exactly once since the last call (a
+  /// pipeline calls it after its last backward) and resets the per-step counts. Throws, naming
+  /// the parameters, if one got no gradient, has gradients still pending, or stepped twice.
+  void finish_step() {
+    auto& st = state();
+    TORCH_CHECK(
+        st.attached,
+        "stagewise::optim::FusedStep::finish_step: the fused step is detached, so no "
+        "parameter stepped. Call attach() before the step, or step the optimizer yourself.");
+    std::ostringstream problems;
+    int count = 0;
+    for (const auto& slot : st.slots) {
+      const int pending = slot->arrivals.load();
+      const int updates = slot->updates.load();
+      if (pending == 0 && updates == 1) continue;
+      problems << (count++ ? "; " : "") << slot->describe();
+      if (pending != 0) {
+        problems << " has " << pending << " of its " << slot->accumulation_steps
+                 << " gradients and has not stepped";
+      } else if (updates == 0) {
+        problems << " got no gradient";
+      } else {
+        problems << " stepped " << updates << " times";
+      }
+    }
+    reset_step();
+    TORCH_CHECK(count == 0, "stagewise::optim::FusedStep::finish_step: ", count, " of ",
+                st.slots.size(),
+                " parameters did not step exactly once this step: ", problems.str(),
+                ". Set set_accumulation_steps(k) to the number of backward passes per step, "
+                "set_accumulation_steps(k, params) for parameters that get several gradients "
+                "per backward (a layer recomputed twice), and leave out parameters that get no "
+                "gradient.");
+  }
+
+  /// Forgets the current step (e.g. after an exception mid-backward): pending gradients are
+  /// freed and the counts reset; optimizer state is kept.
+  void reset_step() {
+    auto& st = state();
+    for (auto& slot : st.slots) {
+      slot->arrivals.store(0);
+      slot->updates.store(0);
+      slot->norm = torch::Tensor();
+      slot->param.mutable_grad().reset();
+    }
+    st.shared.updated.store(0);
+  }
+
+  /// How many parameters have stepped since the last `finish_step` / `reset_step`.
+  std::int64_t stepped_this_step() const { return state().shared.updated.load(); }
+
+  /// Sets the learning rate of every per-parameter optimizer (what a scheduler changes).
+  ///   fused.set_lr(base_lr * std::pow(0.5, epoch / 10));
+  void set_lr(double lr) {
+    for (auto& slot : state().slots) {
+      for (auto& group : slot->optimizer->param_groups()) group.options().set_lr(lr);
+    }
+  }
+  /// The current learning rate.
+  double lr() const {
+    return state().slots.front()->optimizer->param_groups()[0].options().get_lr();
+  }
+
+  /// Installs the hooks again after `detach()` (construction attaches). Optimizer state is kept.
+  void attach() {
+    auto& st = state();
+    if (st.attached) return;
+    try {
+      for (auto& slot : st.slots) {
+        // The tensor holds its AccumulateGrad node only weakly: keep it alive, or the next
+        // forward builds a new node without the hook.
+        auto node = torch::autograd::impl::grad_accumulator(slot->param);
+        TORCH_CHECK(node, "stagewise::optim::FusedStep::attach: ", slot->describe(),
+                    " no longer requires grad. Call requires_grad_(true) on it first.");
+        slot->hook_key = node->add_post_hook(std::make_unique<detail::FusedPostHook>(slot.get()));
+        slot->accumulator = std::move(node);
+        slot->arrivals.store(0);
+      }
+    } catch (...) {
+      detach();  // no hook may outlive a failed attach
+      throw;
+    }
+    st.attached = true;
+  }
+
+  /// Removes the hooks: backward fills `.grad` again, as without a FusedStep. Pending
+  /// (accumulating) gradients stay in `.grad`.
+  void detach() {
+    auto& st = state();
+    for (auto& slot : st.slots) {
+      if (slot->accumulator) slot->accumulator->del_post_hook(slot->hook_key);
+      slot->accumulator.reset();
+      slot->arrivals.store(0);
+    }
+    st.attached = false;
+  }
+  /// True while the hooks are installed.
+  bool attached() const { return state().attached; }
+
+  /// The parameters, in order.
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& slot : state().slots) out.push_back(slot->param);
+    return out;
+  }
+  /// The number of parameters.
+  std::size_t size() const { return state().slots.size(); }
+  /// The optimizer of parameter `i` (one group, one parameter), e.g. to read its state.
+  torch::optim::Optimizer& optimizer(std::size_t i) { return *state().slots.at(i)->optimizer; }
+
+  /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
+  /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
+  /// unfused one's. `torch::save(fused, file)` calls this.
+  void save(torch::serialize::OutputArchive& archive) const {
+    auto combined = combined_optimizer();
+    for (const auto& slot : state().slots) {
+      // Same tensor, same key: the entries move over as they are (clone() shares the tensors).
+      for (const auto& [key, param_state] : slot->optimizer->state()) {
+        combined->state()[key] = param_state->clone();
+      }
+    }
+    combined->save(archive);
+  }
+
+  /// Loads state saved by `save` or by the unfused optimizer over the same parameters.
+  void load(torch::serialize::InputArchive& archive) {
+    auto combined = combined_optimizer();
+    combined->load(archive);
+    const auto& options = combined->param_groups()[0].options();
+    for (auto& slot : state().slots) {
+      auto& map = slot->optimizer->state();
+      map.clear();
+      const auto key = detail::optimizer_state_key(slot->param);
+      auto it = combined->state().find(key);
+      if (it != combined->state().end()) map[key] = std::move(it->second);
+      slot->optimizer->param_groups()[0].set_options(options.clone());
+    }
+  }
+
+ private:
+  friend struct detail::FusedStepAccess;
+
+  detail::FusedState& state() {
+    TORCH_CHECK(state_, "stagewise::optim::FusedStep: used after being moved from.");
+    return *state_;
+  }
+  const detail::FusedState& state() const {
+    TORCH_CHECK(state_, "stagewise::optim::FusedStep: used after being moved from.");
+    return *state_;
+  }
+
+  static void check_steps(int k) {
+    TORCH_CHECK(k >= 1, "stagewise::optim::FusedStep::set_accumulation_steps: k = ", k,
+                "; a parameter needs at least one gradient per step. Pass k >= 1.");
+  }
+
+  void check_between_steps(const char* what) const {
+    for (const auto& slot : state().slots) {
+      TORCH_CHECK(slot->arrivals.load() == 0, "stagewise::optim::FusedStep::", what, ": ",
+                  slot->describe(),
+                  " is part-way through accumulating. Call it between steps "
+                  "(after finish_step() or reset_step()).");
+    }
+  }
+
+  detail::FusedSlot& find(const torch::Tensor& p, const char* what) {
+    for (auto& slot : state().slots) {
+      if (slot->param.is_same(p)) return *slot;
+    }
+    TORCH_CHECK(false, "stagewise::optim::FusedStep::", what, ": a tensor of shape ", p.sizes(),
+                " is not one of this FusedStep's parameters. Pass parameters it was built with.");
+  }
+
+  // One optimizer over all parameters, with the current options: the unfused layout.
+  std::unique_ptr<torch::optim::Optimizer> combined_optimizer() const {
+    const auto& st = state();
+    auto combined = st.factory(parameters());
+    TORCH_CHECK(combined && combined->param_groups().size() == 1,
+                "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
+                "with one param group holding exactly the parameters it is given.");
+    combined->param_groups()[0].set_options(
+        st.slots.front()->optimizer->param_groups()[0].options().clone());
+    combined->state().clear();
+    return combined;
+  }
+
+  std::unique_ptr<detail::FusedState> state_;
+};
+
+/// `torch::save(fused, path)`: see `FusedStep::save`.
+inline torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                                   const FusedStep& fused) {
+  fused.save(archive);
+  return archive;
+}
+
+/// `torch::load(fused, path)`: see `FusedStep::load`.
+inline torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                                  FusedStep& fused) {
+  fused.load(archive);
+  return archive;
+}
+
+}  // namespace optim
+}  // namespace stagewise
