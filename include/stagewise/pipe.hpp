@@ -16,6 +16,7 @@
 #include <torch/types.h>
 
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,6 +24,15 @@
 #include <vector>
 
 namespace stagewise {
+
+/// An optimizer step run from backward hooks that a pipeline can drive: it steps each parameter
+/// on its k-th gradient of a step and checks the step's end (`optim::FusedStep` is one).
+template <class F>
+concept fused_stepper = requires(F& f, int k) {
+  f.set_accumulation_steps(k);
+  f.finish_step();
+  f.reset_step();
+};
 
 /// The pipeline itself, behind the `Pipe` holder: stages on their own worker threads, a
 /// mini-batch split into micro-batches, and two ways to train.
@@ -76,6 +86,42 @@ class PipeImpl : public torch::nn::Module {
   template <class Schedule = schedule::gpipe>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            const Schedule& sched = {}) {
+    return run_train_step(input, target, std::move(loss_fn), sched, nullptr);
+  }
+
+  /// train_step with the optimizer step fused into backward (e.g. `optim::FusedStep`): each
+  /// parameter steps as soon as its stage's last micro-batch has been back-propagated, while the
+  /// earlier stages are still in backward, and its gradient is freed at once. Equal, bit for bit,
+  /// to train_step followed by the unfused optimizer's step (for SGD, Adam, AdamW, ...).
+  ///   stagewise::optim::FusedStep fused(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  ///   auto loss = pipe->train_step(x, y, loss_fn, fused);  // no optimizer.step() needed
+  template <fused_stepper Fused, class Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           Fused& fused, const Schedule& sched = {}) {
+    torch::Tensor loss;
+    try {
+      // Every stage back-propagates each micro-batch once, whatever the checkpoint mode.
+      loss = run_train_step(input, target, std::move(loss_fn), sched,
+                            [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); });
+    } catch (...) {
+      fused.reset_step();
+      throw;
+    }
+    fused.finish_step();
+    return loss;
+  }
+
+  /// The fused train_step for one input tensor and one target tensor.
+  template <fused_stepper Fused, class Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {}) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched);
+  }
+
+ private:
+  template <class Schedule>
+  torch::Tensor run_train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                               const Schedule& sched, const std::function<void(int)>& before) {
     TORCH_CHECK(!stages_.empty(), "stagewise::Pipe::train_step: the pipe has no stages");
     TORCH_CHECK(torch::GradMode::is_enabled(),
                 "stagewise::Pipe::train_step: grad mode is off (a NoGradGuard is active); "
@@ -93,8 +139,11 @@ class PipeImpl : public torch::nn::Module {
     const int m = static_cast<int>(step.inputs.size());
     step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto programs = runtime::stage_programs(sched, static_cast<int>(stages_.size()), m, step.stop);
+    if (before) before(m);
     return runtime::run_programs(stages_, programs, step);
   }
+
+ public:
 
   /// train_step for one input tensor and one target tensor.
   template <class Schedule = schedule::gpipe>
