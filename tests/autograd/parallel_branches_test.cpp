@@ -261,6 +261,21 @@ TEST_SUITE("parallel branches: results") {
     CHECK(all_equal(grads_of(leaves), expected));
   }
 
+  TEST_CASE("a branch may return its input unchanged, or a view of it") {
+    auto x = torch::randn({2, 3}, torch::requires_grad());
+    auto y = torch::randn({2, 3}, torch::requires_grad());
+    auto outs = sw::parallel_branches({[](const torch::Tensor& t) { return t; },
+                                       [](const torch::Tensor& t) { return t.t(); }},
+                                      {x, y});
+    CHECK(outs[0].equal(x));
+    CHECK(outs[1].equal(y.t()));
+    (outs[0] * 3).sum().backward({}, /*retain_graph=*/true);
+    CHECK(x.grad().equal(torch::full({2, 3}, 3.0f)));
+    CHECK_FALSE(y.grad().defined());
+    (outs[1] * torch::arange(2).view({1, 2})).sum().backward();
+    CHECK(y.grad().equal(torch::arange(2).view({2, 1}).expand({2, 3}).to(torch::kFloat)));
+  }
+
   TEST_CASE("an output left out of the loss gets no gradient, and its branch's backward is skipped") {
     auto a = mlp(4, 4, 4);
     auto b = mlp(4, 4, 4);

@@ -160,9 +160,14 @@ class ThreadPool {
       job->all_done.wait(lock, [&] { return job->done == count; });
     }
     if (share) core_->retire(job);
-    for (const auto& error : job->errors) {
-      if (error) std::rethrow_exception(error);
+    // Take the exceptions out of the job here: a worker may still hold the job and would
+    // otherwise free an exception the caller is handling.
+    std::exception_ptr first;
+    for (auto& error : job->errors) {
+      if (error && !first) first = error;
+      error = nullptr;
     }
+    if (first) std::rethrow_exception(first);
   }
 
  private:

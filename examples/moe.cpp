@@ -1,0 +1,105 @@
+// moe: a mixture-of-experts layer whose experts run forward and backward in parallel.
+//   ./bazelw run -c opt //examples:moe
+#include <stagewise/stagewise.hpp>
+
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
+
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+namespace sw = stagewise;
+
+// Top-1 routing: a router scores the experts per token; each token goes to its best expert, whose
+// output is scaled by the router's probability (so the router learns too).
+struct MoEImpl : torch::nn::Module {
+  MoEImpl(int64_t dim, int64_t hidden, int64_t count) {
+    router = register_module("router", torch::nn::Linear(dim, count));
+    experts = register_module("experts", sw::ParallelBranches());
+    for (int64_t e = 0; e < count; ++e) {
+      list.emplace_back(torch::nn::Linear(dim, hidden), torch::nn::ReLU(),
+                        torch::nn::Linear(hidden, dim));
+      experts->push_back(list.back());
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, bool parallel) {
+    auto [gate, choice] = torch::softmax(router->forward(x), -1).max(-1);
+    std::vector<torch::Tensor> index, tokens, outs;
+    for (int64_t e = 0; e < int64_t(list.size()); ++e) {
+      index.push_back((choice == e).nonzero().squeeze(1));
+      tokens.push_back(x.index_select(0, index.back()));  // experts get different token counts
+    }
+    if (parallel) {
+      outs = experts->forward_each(tokens);
+    } else {
+      for (std::size_t e = 0; e < list.size(); ++e) outs.push_back(list[e]->forward(tokens[e]));
+    }
+    auto y = torch::zeros_like(x);
+    for (std::size_t e = 0; e < list.size(); ++e) {
+      y = y.index_add(0, index[e], outs[e] * gate.index_select(0, index[e]).unsqueeze(1));
+    }
+    return y;
+  }
+
+  torch::nn::Linear router{nullptr};
+  sw::ParallelBranches experts{nullptr};
+  std::vector<torch::nn::Sequential> list;
+};
+TORCH_MODULE(MoE);
+
+int main() {
+  at::set_num_threads(1);  // one core per expert: the speed-up then comes from parallel branches
+  torch::manual_seed(0);
+  MoE moe(128, 512, 4);
+  auto x = torch::randn({1024, 128});
+  auto target = torch::sin(x.matmul(torch::randn({128, 128})) * 0.1);
+  auto step = [&](bool parallel) {
+    moe->zero_grad();
+    auto loss = torch::nn::functional::mse_loss(moe->forward(x, parallel), target);
+    const auto t0 = std::chrono::steady_clock::now();
+    loss.backward();
+    const auto t1 = std::chrono::steady_clock::now();
+    return std::pair{loss, std::chrono::duration<double, std::milli>(t1 - t0).count()};
+  };
+
+  // The parallel layer computes exactly what the sequential one does.
+  auto [seq_loss, seq_ms] = step(false);
+  std::vector<torch::Tensor> seq_grads;
+  for (const auto& p : moe->parameters()) seq_grads.push_back(p.grad().clone());
+  auto [par_loss, par_ms] = step(true);
+  bool same = par_loss.equal(seq_loss);
+  const auto params = moe->parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) same = same && params[i].grad().equal(seq_grads[i]);
+  std::printf("loss and gradients, parallel vs sequential: %s\n", same ? "bitwise equal" : "DIFFER");
+
+  // Backward time, median of 7 each.
+  auto median = [&](bool parallel) {
+    std::vector<double> ms;
+    for (int i = 0; i < 7; ++i) ms.push_back(step(parallel).second);
+    std::nth_element(ms.begin(), ms.begin() + 3, ms.end());
+    return ms[3];
+  };
+  const double sequential = median(false), parallel = median(true);
+  std::printf("backward: sequential %.1f ms, parallel %.1f ms on %zu threads: speed-up %.2fx\n",
+              sequential, parallel, sw::default_thread_pool()->size(), sequential / parallel);
+
+  // Train a few steps with the parallel experts.
+  torch::optim::SGD sgd(moe->parameters(), torch::optim::SGDOptions(0.5));
+  double first = 0, last = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto loss = step(true).first.item<double>();
+    sgd.step();
+    if (i == 0) first = loss;
+    last = loss;
+    std::printf("step %d loss %.5f\n", i, loss);
+  }
+  const bool learned = last < first;
+  std::printf("loss went down: %s\n", learned ? "yes" : "NO");
+  return same && learned ? 0 : 1;
+}
