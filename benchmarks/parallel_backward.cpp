@@ -2,7 +2,8 @@
 // with stagewise::parallel_branches, in one run.
 //   ./bazelw run -c opt //benchmarks:parallel_backward
 // Each branch is Linear(512,512), ReLU, Linear(512,512) on its own batch of 128 rows; intra-op
-// threads are 1, so any speed-up comes from running branches on different cores.
+// threads are 1, so any speed-up comes from running branches on different cores. Prints a table,
+// then the summary line `parallel_backward speedup_2=<x> speedup_4=<y>`.
 #include <stagewise/stagewise.hpp>
 
 #include "benchmarks/common/timing.hpp"
@@ -12,8 +13,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace sw = stagewise;
@@ -52,13 +55,30 @@ struct Setup {
   }
 };
 
+// Median forward+backward time (microseconds) of both variants. Sequential and parallel steps
+// alternate, so that load from other processes, if any, hits both alike.
+std::pair<double, double> measure(Setup& setup, int rounds, int warmup) {
+  for (int i = 0; i < warmup; ++i) {
+    setup.sequential_step();
+    setup.parallel_step();
+  }
+  std::vector<double> seq, par;
+  for (int i = 0; i < rounds; ++i) {
+    seq.push_back(sw::bench::median_us([&] { setup.sequential_step(); }, 1, 0));
+    par.push_back(sw::bench::median_us([&] { setup.parallel_step(); }, 1, 0));
+  }
+  auto median = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  return {median(seq), median(par)};
+}
+
 }  // namespace
 
 int main() {
   at::set_num_threads(1);
   torch::manual_seed(0);
-  const int iterations = 15;
-  const int warmup = 3;
   std::printf("parallel_backward: N x [Linear(512,512), ReLU, Linear(512,512)], batch 128, "
               "intra-op threads %d, pool size %zu, hardware threads %u\n",
               at::get_num_threads(), sw::default_thread_pool()->size(),
@@ -68,8 +88,7 @@ int main() {
   const int counts[2] = {2, 4};
   for (int k = 0; k < 2; ++k) {
     Setup setup(counts[k]);
-    const double seq = sw::bench::median_us([&] { setup.sequential_step(); }, iterations, warmup);
-    const double par = sw::bench::median_us([&] { setup.parallel_step(); }, iterations, warmup);
+    const auto [seq, par] = measure(setup, /*rounds=*/15, /*warmup=*/3);
     speedup[k] = seq / par;
     std::printf("%9d %16.2f %16.2f %8.2fx\n", counts[k], seq / 1000, par / 1000, speedup[k]);
   }
