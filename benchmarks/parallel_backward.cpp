@@ -33,9 +33,8 @@ struct Setup {
       branches.emplace_back(torch::nn::Linear(512, 512), torch::nn::ReLU(),
                             torch::nn::Linear(512, 512));
       inputs.push_back(torch::randn({128, 512}, torch::requires_grad()));
-      callables.push_back([net = branches.back()](const torch::Tensor& x) mutable {
-        return net->forward(x);
-      });
+      callables.push_back(
+          [net = branches.back()](const torch::Tensor& x) mutable { return net->forward(x); });
     }
   }
 
@@ -79,10 +78,11 @@ std::pair<double, double> measure(Setup& setup, int rounds, int warmup) {
 int main() {
   at::set_num_threads(1);
   torch::manual_seed(0);
-  std::printf("parallel_backward: N x [Linear(512,512), ReLU, Linear(512,512)], batch 128, "
-              "intra-op threads %d, pool size %zu, hardware threads %u\n",
-              at::get_num_threads(), sw::default_thread_pool()->size(),
-              std::thread::hardware_concurrency());
+  std::printf(
+      "parallel_backward: N x [Linear(512,512), ReLU, Linear(512,512)], batch 128, "
+      "intra-op threads %d, pool size %zu, hardware threads %u\n",
+      at::get_num_threads(), sw::default_thread_pool()->size(),
+      std::thread::hardware_concurrency());
   std::printf("%9s %16s %16s %9s\n", "branches", "sequential_ms", "parallel_ms", "speedup");
   double speedup[2] = {0, 0};
   const int counts[2] = {2, 4};

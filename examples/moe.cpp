@@ -2,12 +2,7 @@
 //   ./bazelw run -c opt //examples:moe
 #include <stagewise/stagewise.hpp>
 
-#include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/optim/sgd.h>
-#include <torch/utils.h>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
@@ -37,7 +32,7 @@ struct MoEImpl : torch::nn::Module {
       tokens.push_back(x.index_select(0, index.back()));  // experts get different token counts
     }
     if (parallel) {
-      outs = experts->forward_each(tokens);
+      outs = experts->forward_each(tokens);  // the experts run on the pool's threads
     } else {
       for (std::size_t e = 0; e < list.size(); ++e) outs.push_back(list[e]->forward(tokens[e]));
     }
@@ -77,16 +72,18 @@ int main() {
   for (std::size_t i = 0; i < seq_grads.size(); ++i) {
     same = same && moe->parameters()[i].grad().equal(seq_grads[i]);
   }
-  std::printf("loss and gradients, parallel vs sequential: %s\n", same ? "bitwise equal" : "DIFFER");
+  std::printf("loss and gradients, parallel vs sequential: %s\n",
+              same ? "bitwise equal" : "DIFFER");
 
-  // Backward time, median of 7 each.
-  auto median = [&](bool parallel) {
-    std::vector<double> ms;
-    for (int i = 0; i < 7; ++i) ms.push_back(step(parallel).second);
-    std::nth_element(ms.begin(), ms.begin() + 3, ms.end());
-    return ms[3];
-  };
-  const double sequential = median(false), parallel = median(true);
+  // Backward time, median of 7 each (alternating, so other load hits both alike).
+  std::vector<double> seq_ms, par_ms;
+  for (int i = 0; i < 7; ++i) {
+    seq_ms.push_back(step(false).second);
+    par_ms.push_back(step(true).second);
+  }
+  std::nth_element(seq_ms.begin(), seq_ms.begin() + 3, seq_ms.end());
+  std::nth_element(par_ms.begin(), par_ms.begin() + 3, par_ms.end());
+  const double sequential = seq_ms[3], parallel = par_ms[3];
   std::printf("backward: sequential %.1f ms, parallel %.1f ms on %zu threads: speed-up %.2fx\n",
               sequential, parallel, sw::default_thread_pool()->size(), sequential / parallel);
 

@@ -57,8 +57,7 @@ struct Rendezvous {
 
 // Identity whose backward first runs `hook` (to observe or to fail the backward of a branch).
 struct BackwardHook : torch::autograd::Function<BackwardHook> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x,
-                               std::function<void()>* hook) {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, std::function<void()>* hook) {
     ctx->saved_data["hook"] = reinterpret_cast<int64_t>(hook);
     return x.clone();
   }
@@ -111,7 +110,8 @@ struct CpuAutocast {
 
 std::size_t thread_count() {
   std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+  for ([[maybe_unused]] const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
     ++n;
   }
   return n;
@@ -125,9 +125,8 @@ struct Towers {
                                     torch::randn({3, 8}, torch::requires_grad())};
   std::vector<sw::TensorBranch> branches() {
     std::vector<sw::TensorBranch> result;
-    for (auto& net : nets) result.push_back([net](const torch::Tensor& x) mutable {
-      return net->forward(x);
-    });
+    for (auto& net : nets)
+      result.push_back([net](const torch::Tensor& x) mutable { return net->forward(x); });
     return result;
   }
   std::vector<torch::Tensor> leaves() {
@@ -189,12 +188,10 @@ TEST_SUITE("parallel branches: results") {
     CHECK(parallel.equal(sequential));  // two terms: the sum is the same in any order
 
     // Four branches on one input: the same sum, possibly rounded in another order.
-    std::vector<torch::nn::Sequential> nets{mlp(8, 4, 2), mlp(8, 4, 2), mlp(8, 4, 2),
-                                            mlp(8, 4, 2)};
+    std::vector<torch::nn::Sequential> nets{mlp(8, 4, 2), mlp(8, 4, 2), mlp(8, 4, 2), mlp(8, 4, 2)};
     std::vector<sw::TensorBranch> branches;
-    for (auto& net : nets) branches.push_back([net](const torch::Tensor& t) mutable {
-      return net->forward(t);
-    });
+    for (auto& net : nets)
+      branches.push_back([net](const torch::Tensor& t) mutable { return net->forward(t); });
     x.mutable_grad().reset();
     loss_of(sw::parallel_branches(branches, std::vector<torch::Tensor>(4, x))).backward();
     const auto parallel4 = x.grad().clone();
@@ -264,9 +261,9 @@ TEST_SUITE("parallel branches: results") {
   TEST_CASE("a branch may return its input unchanged, or a view of it") {
     auto x = torch::randn({2, 3}, torch::requires_grad());
     auto y = torch::randn({2, 3}, torch::requires_grad());
-    auto outs = sw::parallel_branches({[](const torch::Tensor& t) { return t; },
-                                       [](const torch::Tensor& t) { return t.t(); }},
-                                      {x, y});
+    auto outs = sw::parallel_branches(
+        {[](const torch::Tensor& t) { return t; }, [](const torch::Tensor& t) { return t.t(); }},
+        {x, y});
     CHECK(outs[0].equal(x));
     CHECK(outs[1].equal(y.t()));
     (outs[0] * 3).sum().backward({}, /*retain_graph=*/true);
@@ -276,7 +273,8 @@ TEST_SUITE("parallel branches: results") {
     CHECK(y.grad().equal(torch::arange(2).view({2, 1}).expand({2, 3}).to(torch::kFloat)));
   }
 
-  TEST_CASE("an output left out of the loss gets no gradient, and its branch's backward is skipped") {
+  TEST_CASE(
+      "an output left out of the loss gets no gradient, and its branch's backward is skipped") {
     auto a = mlp(4, 4, 4);
     auto b = mlp(4, 4, 4);
     auto x = torch::randn({2, 4}, torch::requires_grad());
@@ -513,8 +511,7 @@ TEST_SUITE("parallel branches: threads") {
 
     // Forward on a worker thread (as in a pipeline stage), backward on the main thread.
     zero_grads(towers.leaves());
-    std::thread([&] { parallel = sw::parallel_branches(towers.branches(), towers.inputs); })
-        .join();
+    std::thread([&] { parallel = sw::parallel_branches(towers.branches(), towers.inputs); }).join();
     loss_of(parallel).backward();
     CHECK(all_equal(grads_of(towers.leaves()), expected));
   }
@@ -577,7 +574,8 @@ struct RecomputeInBackward : torch::autograd::Function<RecomputeInBackward> {
 }  // namespace
 
 TEST_SUITE("parallel branches: nesting") {
-  TEST_CASE("inside a nested backward (a checkpoint stand-in) gradients equal the sequential ones") {
+  TEST_CASE(
+      "inside a nested backward (a checkpoint stand-in) gradients equal the sequential ones") {
     torch::manual_seed(4);
     auto a = mlp(6, 12, 6);
     auto b = mlp(6, 6, 6);
@@ -640,8 +638,8 @@ TEST_SUITE("parallel branches: errors") {
       CHECK(e.msg() == "expert 3 failed");
     }
     CHECK(caught);
-    CHECK(running == 0);    // nothing still runs once the exception arrives
-    CHECK(finished <= 7);   // the others finished or were skipped
+    CHECK(running == 0);   // nothing still runs once the exception arrives
+    CHECK(finished <= 7);  // the others finished or were skipped
     // The pool is still usable.
     auto outs = sw::parallel_branches({branches[0], branches[1]}, {x, x}, pool);
     CHECK(outs[1].equal(x * 2));
@@ -665,17 +663,16 @@ TEST_SUITE("parallel branches: errors") {
     auto x = torch::ones({2});
     std::string message;
     try {
-      sw::parallel_branches(
-          {[](const torch::Tensor& t) { return t; },
-           [](const torch::Tensor&) -> torch::Tensor {
-             TORCH_CHECK(false, "first");
-             return {};
-           },
-           [](const torch::Tensor&) -> torch::Tensor {
-             TORCH_CHECK(false, "second");
-             return {};
-           }},
-          {x, x, x}, pool);
+      sw::parallel_branches({[](const torch::Tensor& t) { return t; },
+                             [](const torch::Tensor&) -> torch::Tensor {
+                               TORCH_CHECK(false, "first");
+                               return {};
+                             },
+                             [](const torch::Tensor&) -> torch::Tensor {
+                               TORCH_CHECK(false, "second");
+                               return {};
+                             }},
+                            {x, x, x}, pool);
     } catch (const c10::Error& e) {
       message = e.msg();
     }
@@ -738,7 +735,8 @@ TEST_SUITE("parallel branches: errors") {
                              [&](const torch::Tensor& t) { return t * scaled; }},
                             {x, x});
     });
-    CHECK(contains(message, "branch 1 differentiates through a tensor computed outside the branch"));
+    CHECK(
+        contains(message, "branch 1 differentiates through a tensor computed outside the branch"));
     CHECK(contains(message, "ExpBackward0"));
     CHECK(contains(message, "Pass that tensor to the branch as one of its inputs"));
     // Passed in as an input it works, and its gradient arrives.
@@ -751,9 +749,13 @@ TEST_SUITE("parallel branches: errors") {
   TEST_CASE("mismatched branches and inputs, an empty branch and a null pool are errors") {
     auto x = torch::ones({2});
     auto twice = [](const torch::Tensor& t) { return t * 2; };
-    CHECK(contains(error_of([&] { sw::parallel_branches({twice, twice}, {x}); }),
+    CHECK(contains(error_of([&] {
+                     sw::parallel_branches({twice, twice}, {x});
+                   }),
                    "got 2 branches but 1 input sets. Pass one input set per branch"));
-    CHECK(contains(error_of([&] { sw::parallel_branches({twice, sw::TensorBranch()}, {x, x}); }),
+    CHECK(contains(error_of([&] {
+                     sw::parallel_branches({twice, sw::TensorBranch()}, {x, x});
+                   }),
                    "branch 1 is empty (a default-constructed std::function)"));
     CHECK(contains(error_of([&] { sw::parallel_branches({twice}, {x}, nullptr); }),
                    "the pool is null"));

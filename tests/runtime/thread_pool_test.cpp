@@ -19,7 +19,8 @@ namespace {
 
 std::size_t thread_count() {
   std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+  for ([[maybe_unused]] const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
     ++n;
   }
   return n;
@@ -135,9 +136,7 @@ TEST_SUITE("thread pool") {
     sw::ThreadPool pool(2);
     std::atomic<int> leaves{0};
     pool.run(4, [&](std::size_t) {
-      pool.run(4, [&](std::size_t) {
-        pool.run(3, [&](std::size_t) { ++leaves; });
-      });
+      pool.run(4, [&](std::size_t) { pool.run(3, [&](std::size_t) { ++leaves; }); });
     });
     CHECK(leaves == 48);
   }
@@ -163,8 +162,9 @@ TEST_SUITE("thread pool") {
       sw::ThreadPool pool(0);
       FAIL("expected an error");
     } catch (const c10::Error& e) {
-      CHECK(std::string(e.what_without_backtrace()).find("Use ThreadPool(1) to run tasks one "
-                                                         "after another") != std::string::npos);
+      CHECK(std::string(e.what_without_backtrace())
+                .find("Use ThreadPool(1) to run tasks one "
+                      "after another") != std::string::npos);
     }
   }
 }

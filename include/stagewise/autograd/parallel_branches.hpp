@@ -50,8 +50,9 @@ inline std::vector<torch::autograd::variable_list> parallel_branches(
     TORCH_CHECK(branches[i], "stagewise::parallel_branches: branch ", i,
                 " is empty (a default-constructed std::function). Give every branch a callable.");
   }
-  TORCH_CHECK(pool, "stagewise::parallel_branches: the pool is null. Pass a ThreadPool, e.g. "
-                    "std::make_shared<stagewise::ThreadPool>(4), or leave the argument out.");
+  TORCH_CHECK(pool,
+              "stagewise::parallel_branches: the pool is null. Pass a ThreadPool, e.g. "
+              "std::make_shared<stagewise::ThreadPool>(4), or leave the argument out.");
   if (!torch::GradMode::is_enabled()) return detail::run_forwards(branches, inputs, *pool, nullptr);
 
   auto state = c10::make_intrusive<detail::BranchesState>();

@@ -69,7 +69,8 @@ inline void check_self_contained(const variable_list& outputs, std::uint64_t thr
     TORCH_CHECK(node->thread_id() == thread && node->sequence_nr() >= first,
                 "stagewise::parallel_branches: branch ", branch,
                 " differentiates through a tensor computed outside the branch (its graph reaches ",
-                node->name(), ", recorded before the branch ran or on another thread). Pass that "
+                node->name(),
+                ", recorded before the branch ran or on another thread). Pass that "
                 "tensor to the branch as one of its inputs, or detach() it if it needs no "
                 "gradient.");
     for (const auto& edge : node->next_edges()) {
@@ -195,8 +196,8 @@ struct ParallelBranchesFunction : torch::autograd::Function<ParallelBranchesFunc
                 "stagewise::parallel_branches: double backward (create_graph=true) is not "
                 "supported. Call backward without create_graph, or run the branches one after "
                 "another (a plain loop) where you need higher-order gradients.");
-    auto state = c10::static_intrusive_pointer_cast<BranchesState>(
-        ctx->saved_data["state"].toCapsule());
+    auto state =
+        c10::static_intrusive_pointer_cast<BranchesState>(ctx->saved_data["state"].toCapsule());
     TORCH_CHECK(!state->released,
                 "stagewise::parallel_branches: backward through the branches a second time, but "
                 "their graphs were freed by the first backward. Pass retain_graph=true to the "

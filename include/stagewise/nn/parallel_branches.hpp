@@ -19,14 +19,12 @@
 namespace stagewise {
 namespace detail {
 
-template <typename T>
-  requires std::derived_from<T, torch::nn::Module>
+template <std::derived_from<torch::nn::Module> T>
 std::shared_ptr<T> impl_ptr(const torch::nn::ModuleHolder<T>& holder) {
   return holder.ptr();
 }
 
-template <typename T>
-  requires std::derived_from<T, torch::nn::Module>
+template <std::derived_from<torch::nn::Module> T>
 std::shared_ptr<T> impl_ptr(const std::shared_ptr<T>& module) {
   return module;
 }
@@ -73,10 +71,10 @@ class ParallelBranchesImpl : public torch::nn::Module {
       : options(std::move(options)) {}
 
   /// A container of the given branch modules, in order.
-  template <branch_module... Modules>
-    requires(sizeof...(Modules) > 0)
-  explicit ParallelBranchesImpl(Modules... modules) {
-    (push_back(std::move(modules)), ...);
+  template <branch_module First, branch_module... Rest>
+  explicit ParallelBranchesImpl(First first, Rest... rest) {
+    push_back(std::move(first));
+    (push_back(std::move(rest)), ...);
   }
 
   /// A container of the given branch modules, with options.

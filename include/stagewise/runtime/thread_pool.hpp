@@ -98,9 +98,10 @@ class ThreadPool {
   /// A pool that runs `size` tasks at once (the caller included); `size` must be at least 1.
   explicit ThreadPool(std::size_t size = default_size())
       : core_(std::make_shared<detail::PoolCore>()), size_(size) {
-    TORCH_CHECK(size >= 1, "stagewise::ThreadPool: size must be at least 1 (the calling thread "
-                           "counts as one); got 0. Use ThreadPool(1) to run tasks one after "
-                           "another on the caller.");
+    TORCH_CHECK(size >= 1,
+                "stagewise::ThreadPool: size must be at least 1 (the calling thread "
+                "counts as one); got 0. Use ThreadPool(1) to run tasks one after "
+                "another on the caller.");
     workers_.reserve(size - 1);
     for (std::size_t i = 1; i < size; ++i) {
       workers_.emplace_back([core = core_] { core->work(); });

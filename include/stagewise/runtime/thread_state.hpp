@@ -41,7 +41,9 @@ class ThreadState {
   }
 
   /// The intra-op thread count captured (`at::get_num_threads()` on the capturing thread).
-  int intra_op_threads() const noexcept { return intra_op_threads_; }
+  int intra_op_threads() const noexcept {
+    return intra_op_threads_;
+  }
 
  private:
   friend class ThreadStateGuard;
