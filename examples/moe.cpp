@@ -55,6 +55,10 @@ int main() {
   MoE moe(128, 512, 4);
   auto x = torch::randn({1024, 128});
   auto target = torch::sin(x.matmul(torch::randn({128, 128})) * 0.1);
+  auto routed = torch::bincount(std::get<1>(moe->router->forward(x).max(-1)), {}, 4);
+  std::printf("tokens per expert:");
+  for (int64_t e = 0; e < 4; ++e) std::printf(" %ld", routed[e].item<int64_t>());
+  std::printf("\n");
   auto step = [&](bool parallel) {
     moe->zero_grad();
     auto loss = torch::nn::functional::mse_loss(moe->forward(x, parallel), target);
