@@ -2,6 +2,7 @@
 
 // stagewise: memory-efficient pipeline-parallel training for LibTorch. Umbrella header.
 
+#include "stagewise/autograd/parallel_branches.hpp"
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint.hpp"
 #include "stagewise/core/checkpoint_state.hpp"
@@ -27,3 +28,6 @@
 #include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/nn/parallel_branches.hpp"
+#include "stagewise/runtime/thread_pool.hpp"
+#include "stagewise/runtime/thread_state.hpp"
