@@ -1,0 +1,130 @@
+#include "stagewise/runtime/split_backward.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <vector>
+
+using stagewise::runtime::SplitBackward;
+
+namespace {
+
+// Identity whose backward counts its calls: marks the input-gradient path.
+struct Counted : torch::autograd::Function<Counted> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, int* calls) {
+    ctx->saved_data["calls"] = reinterpret_cast<int64_t>(calls);
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    ++*reinterpret_cast<int*>(ctx->saved_data["calls"].toInt());
+    return {g[0], torch::Tensor()};
+  }
+};
+
+std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return out;
+}
+
+void zero(const std::vector<torch::Tensor>& params) {
+  for (auto p : params) p.mutable_grad() = torch::Tensor();
+}
+
+// Runs `f` on a fresh leaf copy of `x` twice, once with one backward and once split into I and W,
+// and checks that the input gradient and the parameters' gradients are bit for bit equal.
+void check_split_equals_full(const std::function<std::vector<torch::Tensor>(const torch::Tensor&)>& f,
+                             const torch::Tensor& x0, const std::vector<torch::Tensor>& params, bool reuses) {
+  zero(params);
+  auto x = x0.detach().requires_grad_(x0.requires_grad());
+  auto ys = f(x);
+  std::vector<torch::Tensor> gs;
+  for (const auto& y : ys) gs.push_back(torch::ones_like(y) * 0.5);
+  torch::autograd::backward(ys, gs);
+  const auto expected = grads_of(params);
+  const auto expected_dx = x.grad();
+  zero(params);
+
+  auto x2 = x0.detach().requires_grad_(x0.requires_grad());
+  SplitBackward split;
+  auto dx = split.input_grad(f(x2), gs, {x2});
+  CHECK(split.reuses_input_pass() == reuses);
+  REQUIRE(dx.size() == 1);
+  CHECK(dx[0].defined() == expected_dx.defined());
+  if (expected_dx.defined()) CHECK(dx[0].equal(expected_dx));
+  for (const auto& p : params) CHECK_FALSE(p.grad().defined());  // I leaves the weights alone
+  split.weight_grad();
+  const auto got = grads_of(params);
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    CAPTURE(k);
+    REQUIRE(got[k].defined() == expected[k].defined());
+    if (got[k].defined()) CHECK(got[k].equal(expected[k]));
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("split backward") {
+  TEST_CASE("I then W equals one backward, and W does not repeat the input-gradient chain") {
+    torch::manual_seed(0);
+    torch::nn::Linear a(4, 6);
+    torch::nn::Linear b(6, 3);
+    int calls = 0;
+    auto f = [&](const torch::Tensor& x) {
+      return std::vector<torch::Tensor>{b(Counted::apply(torch::relu(a(x)), &calls))};
+    };
+    auto params = a->parameters();
+    for (auto& p : b->parameters()) params.push_back(p);
+    check_split_equals_full(f, torch::randn({5, 4}, torch::requires_grad()), params, true);
+    CHECK(calls == 2);  // once in the full backward, once in I, never in W
+  }
+
+  TEST_CASE("without an input that needs a gradient, W does the whole backward") {
+    torch::manual_seed(1);
+    torch::nn::Linear a(4, 6);
+    torch::nn::Linear b(6, 3);
+    auto f = [&](const torch::Tensor& x) { return std::vector<torch::Tensor>{b(torch::tanh(a(x)))}; };
+    auto params = a->parameters();
+    for (auto& p : b->parameters()) params.push_back(p);
+    check_split_equals_full(f, torch::randn({5, 4}), params, true);
+  }
+
+  TEST_CASE("parameters behind parameter-only branches and outputs of parameters alone are covered") {
+    torch::manual_seed(2);
+    auto w = torch::randn({4}, torch::requires_grad());
+    auto c = torch::randn({3}, torch::requires_grad());
+    auto f = [&](const torch::Tensor& x) {
+      return std::vector<torch::Tensor>{x * w.exp(), c * 2.0, (x * x).sum(1)};
+    };
+    check_split_equals_full(f, torch::randn({5, 4}, torch::requires_grad()), {w, c}, true);
+  }
+
+  TEST_CASE("a module applied twice falls back to a restricted backward, still exact") {
+    torch::manual_seed(3);
+    torch::nn::Linear a(4, 4);
+    int calls = 0;
+    auto f = [&](const torch::Tensor& x) {
+      return std::vector<torch::Tensor>{a(Counted::apply(torch::relu(a(x)), &calls))};
+    };
+    check_split_equals_full(f, torch::randn({5, 4}, torch::requires_grad()), a->parameters(), false);
+    CHECK(calls == 3);  // full backward, I, and W again
+  }
+
+  TEST_CASE("outputs without a gradient and inputs the outputs do not use are skipped") {
+    torch::manual_seed(4);
+    torch::nn::Linear a(4, 2);
+    auto x = torch::randn({3, 4}, torch::requires_grad());
+    auto unused = torch::randn({3}, torch::requires_grad());
+    SplitBackward split;
+    auto y = a(x);
+    auto dx = split.input_grad({y, torch::zeros({2})}, {torch::ones_like(y), torch::Tensor()}, {x, unused});
+    REQUIRE(dx.size() == 2);
+    CHECK(dx[0].defined());
+    CHECK_FALSE(dx[1].defined());
+    split.weight_grad();
+    CHECK(a->weight.grad().defined());
+  }
+}
