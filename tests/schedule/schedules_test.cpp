@@ -234,6 +234,8 @@ TEST_SUITE("simulate") {
       auto o = sched::simulate(sched::one_f_one_b{}, k, 8);
       CHECK(g.max_in_flight() == 8);
       CHECK(o.max_in_flight() == k);
+      CHECK(g.total_peak_in_flight == 8 * k);
+      CHECK(o.total_peak_in_flight == k * (k + 1) / 2);
       for (int s = 0; s < k; ++s) {
         CHECK(g.peak_in_flight[static_cast<std::size_t>(s)] == 8);
         CHECK(o.peak_in_flight[static_cast<std::size_t>(s)] == k - s);
@@ -274,6 +276,8 @@ TEST_SUITE("simulate") {
             CHECK(z.idle(w) == doctest::Approx((k - 1) * (costs.forward + costs.input_grad - costs.weight_grad)));
           }
           CHECK(z.max_in_flight() == o.max_in_flight());
+          // Every stage, not only the first, holds K: more in all when stages share one memory.
+          CHECK(z.total_peak_in_flight >= o.total_peak_in_flight);
         }
       }
     }

@@ -48,6 +48,9 @@ struct Simulation {
   std::vector<int> peak_in_flight;
   /// Per worker, the same summed over the worker's stages (interleaved schedules).
   std::vector<int> worker_peak_in_flight;
+  /// The most cells (micro-batch, stage) alive at once in the whole pipeline, over time: what a
+  /// pipe whose stages share one memory (all on one CPU) holds at its peak.
+  int total_peak_in_flight = 0;
 
   /// When the last action ends.
   double makespan() const { return timeline.span(); }
@@ -99,6 +102,18 @@ inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
       peak = std::max(peak, n);
       sim.worker_peak_in_flight[w] = std::max(sim.worker_peak_in_flight[w], on_worker);
     }
+  }
+  // Over the whole pipeline, in time: a cell lives from its F's start to its last part's end.
+  std::vector<std::pair<double, int>> events;
+  for (const auto& t : sim.timeline.actions) {
+    if (t.action.kind == ActionKind::forward) events.emplace_back(t.start, 1);
+    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) events.emplace_back(t.end, -1);
+  }
+  std::sort(events.begin(), events.end());  // at equal times, ends (-1) before starts
+  int alive = 0;
+  for (const auto& e : events) {
+    alive += e.second;
+    sim.total_peak_in_flight = std::max(sim.total_peak_in_flight, alive);
   }
   return sim;
 }
