@@ -25,11 +25,11 @@ using sw::bench::median_us;
 
 namespace {
 
-constexpr int kWidth = 256;
+constexpr int kWidth = 512;
 constexpr int kBlocks = 8;
 constexpr int kBatch = 256;
 constexpr int kChunks = 8;
-constexpr int kRounds = 25;
+constexpr int kRounds = 15;
 
 torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); }
 

@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 
 namespace sw = stagewise;
@@ -70,7 +71,10 @@ std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
 template <class Schedule>
 void check_equal_to_reference(const Schedule& s, const sw::balance& b, bool ascending, double dropout = 0.0) {
   for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
-    CAPTURE(sw::to_string(mode));
+    const std::string mode_name = sw::to_string(mode);
+    const std::string schedule_name = typeid(Schedule).name();  // mangled, enough to tell them apart
+    CAPTURE(mode_name);
+    CAPTURE(schedule_name);
     torch::manual_seed(3);
     auto seq = mlp(dropout);
     auto x = torch::randn({10, 6});  // 10 rows in 4 chunks: 3, 3, 3, 1
@@ -134,6 +138,35 @@ TEST_SUITE("train_step schedules") {
   TEST_CASE("zero-bubble's split I and W give gradients equal to unpipelined training in every mode") {
     check_equal_to_reference(sched::zero_bubble_h1{}, sw::balance{3, 2, 3}, true);
     check_equal_to_reference(sched::zero_bubble_h1{}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
+  }
+
+  TEST_CASE("a module applied twice in one stage trains under zero-bubble like one backward") {
+    for (bool split : {false, true}) {
+      CAPTURE(split);
+      torch::manual_seed(7);
+      torch::nn::Linear first(4, 4);
+      torch::nn::Linear twice(4, 4);
+      auto x = torch::randn({6, 4});
+      auto t = torch::randn({6, 4});
+      auto body = [&](const torch::Tensor& h) { return twice(torch::tanh(twice(h))); };
+      // Reference: the same micro-batches, backward in order 0 .. M-1.
+      for (int i = 0; i < 3; ++i) {
+        (mse(body(first(x.chunk(3)[i])), t.chunk(3)[i]) * (1.0 / 3.0)).backward();
+      }
+      std::vector<torch::Tensor> expected{first->weight.grad().clone(), twice->weight.grad().clone(),
+                                          twice->bias.grad().clone()};
+      first->zero_grad();
+      twice->zero_grad();
+      auto pipe = sw::Pipe(sw::stages(first, body), sw::PipeOptions().chunks(3).checkpoint("never"));
+      if (split) {
+        pipe->train_step(x, t, mse, sched::zero_bubble_h1{});
+      } else {
+        pipe->train_step(x, t, mse, sched::one_f_one_b{});
+      }
+      CHECK(first->weight.grad().equal(expected[0]));
+      CHECK(torch::allclose(twice->weight.grad(), expected[1], 1e-6, 1e-7));
+      CHECK(torch::allclose(twice->bias.grad(), expected[2], 1e-6, 1e-7));
+    }
   }
 
   TEST_CASE("dropout is replayed exactly under every schedule with checkpointing") {

@@ -161,7 +161,11 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
 // R: re-runs a checkpointed cell with grad enabled and its forward's random numbers.
 inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& step, CellMemory& cell) {
   stage.rng.run(step.training, [&] {
-    RngState::Restore replay_rng(*cell.rng);
+    // A stage known to draw nothing runs without the lock, and rewinding the process-wide
+    // generator there would disturb a drawing stage running at the same time; it needs no
+    // replay anyway. (Its first run, an F, has taught the section which kind it is.)
+    std::optional<RngState::Restore> replay_rng;
+    if (!stage.rng.draws_nothing(step.training)) replay_rng.emplace(*cell.rng);
     auto scope = ::stagewise::detail::recomputing_scope();
     Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
     if (last) cell.loss = step.loss_fn(out.tensor(), step.targets[i].tensor()) * step.weights[i];

@@ -40,13 +40,14 @@ class CaptureGrads final : public torch::autograd::FunctionPreHook {
   std::shared_ptr<CapturedGrads> slot_;
 };
 
-// One piece of the weight-gradient pass: from `roots` (given `root_grads`, or what `captured`
-// kept) down to the parameters' gradient accumulators `weights`.
+// Where the weight-gradient pass starts: the outputs whose graph leads only to parameters (with
+// `root_grads`), or a node on the input-gradient path with parameter-only branches (with the
+// gradients `captured` there during I, and the indices of its edges towards the inputs, `cut`).
 struct WeightPart {
   torch::autograd::edge_list roots;
   torch::autograd::variable_list root_grads;
   std::shared_ptr<CapturedGrads> captured;
-  torch::autograd::edge_list weights;
+  std::vector<std::size_t> cut;
 };
 
 }  // namespace detail
@@ -54,22 +55,22 @@ struct WeightPart {
 /// One cell's backward in two passes, zero-bubble's I and W.
 ///
 /// `input_grad` computes the gradients of the cell's inputs only: autograd skips the branches
-/// that lead only to parameters. Before it runs, the graph is split where those branches leave
-/// the input-gradient path, and every node at such a split keeps the gradient it receives.
-/// `weight_grad` later runs just the skipped branches from those kept gradients and accumulates
-/// into the parameters' `.grad`, so I + W do the work of one backward and nothing twice.
-///
-/// When a parameter hangs below two such splits (a module applied twice in one stage, tied
-/// weights), running the branches one by one would count a gradient twice; then `weight_grad`
-/// runs a backward from the outputs restricted to the parameters instead, which repeats the
-/// activation-gradient chain (correct, slower); `reuses_input_pass()` is false.
+/// that lead only to parameters. Before it runs, the graph is searched for the nodes where such
+/// branches leave the input-gradient path (a Linear's addmm: one branch to its input, one to its
+/// weight), and each of those nodes keeps the gradient it receives during I. `weight_grad` then
+/// cuts those nodes' edges towards the inputs and runs the engine once from the kept gradients,
+/// so only the skipped branches run and accumulate into the parameters' `.grad`: I + W do the
+/// work of one backward, nothing twice. A parameter reached from several places (a module
+/// applied twice) gets the sum, as in one backward. The graph is consumed by W; between I and W
+/// it is kept whole, saved activations included.
 ///   SplitBackward split;
 ///   auto dx = split.input_grad({y}, {dy}, {x});   // I: send dx to the previous stage
 ///   split.weight_grad();                          // W: later, parameters' .grad
 class SplitBackward {
  public:
   /// I: the gradients of `inputs` (undefined where an input gets none) for `outputs` with
-  /// gradients `grads`; keeps what `weight_grad` needs.
+  /// gradients `grads`; keeps what `weight_grad` needs. Outputs that do not require grad or get
+  /// an undefined gradient are skipped.
   std::vector<torch::Tensor> input_grad(std::vector<torch::Tensor> outputs, std::vector<torch::Tensor> grads,
                                         const std::vector<torch::Tensor>& inputs) {
     for (std::size_t k = 0; k < outputs.size() && k < grads.size(); ++k) {
@@ -101,31 +102,27 @@ class SplitBackward {
 
   /// W: accumulates the weight gradients into the parameters' `.grad`, then frees the graph.
   void weight_grad() {
-    if (fallback_) {
-      if (!weights_.empty()) {
-        torch::autograd::backward(outputs_, grads_, /*retain_graph=*/false, /*create_graph=*/false, weights_);
+    torch::autograd::edge_list roots;
+    torch::autograd::variable_list grads;
+    for (auto& part : parts_) {
+      const auto& given = part.captured ? part.captured->grads : part.root_grads;
+      for (std::size_t k = 0; k < part.roots.size() && k < given.size(); ++k) {
+        if (!given[k].defined()) continue;
+        roots.push_back(part.roots[k]);
+        grads.push_back(given[k]);
       }
-    } else {
-      auto& engine = torch::autograd::Engine::get_default_engine();
-      for (auto& part : parts_) {
-        const auto& given = part.captured ? part.captured->grads : part.root_grads;
-        torch::autograd::edge_list roots;
-        torch::autograd::variable_list grads;
-        for (std::size_t k = 0; k < part.roots.size() && k < given.size(); ++k) {
-          if (!given[k].defined()) continue;
-          roots.push_back(part.roots[k]);
-          grads.push_back(given[k]);
-        }
-        if (roots.empty()) continue;
-        engine.execute(roots, grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/true,
-                       part.weights);
-      }
+      // Cut the node off the input-gradient path: I has done that part, and through it this
+      // node's gradient would reach the next such node's parameters a second time. (Removing
+      // an edge keeps autograd's parent-above-child ordering, so the edge list is edited
+      // directly; set_next_edge refuses nodes that have parents.)
+      for (std::size_t e : part.cut) part.roots.front().function->next_edges()[e] = Edge();
+    }
+    if (!roots.empty()) {
+      torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
+                                                            /*create_graph=*/false, /*accumulate_grad=*/true);
     }
     *this = SplitBackward{};
   }
-
-  /// Whether W starts from what I kept (true) or repeats the backward chain (see the class).
-  bool reuses_input_pass() const { return !fallback_; }
 
  private:
   using Node = torch::autograd::Node;
@@ -134,8 +131,9 @@ class SplitBackward {
   struct Info {
     std::shared_ptr<Node> node;
     std::vector<std::size_t> children;
-    int leaf = 0;  // 1: accumulator of an input, 2: of a parameter
-    bool reaches_input = false;
+    int leaf = 0;                  // 1: accumulator of an input, 2: of a parameter
+    bool reaches_input = false;    // run by the input-gradient pass
+    bool reaches_weight = false;   // a parameter's accumulator lies below
   };
 
   void analyse(const std::vector<torch::Tensor>& inputs) {
@@ -176,7 +174,7 @@ class SplitBackward {
         }
       }
     }
-    // Which nodes lead to an input: those run by the input-gradient pass (children first).
+    // What lies below each node, children first.
     std::vector<char> state(nodes.size(), 0);
     for (std::size_t r : root_ids) {
       if (state[r]) continue;
@@ -193,80 +191,51 @@ class SplitBackward {
           }
           continue;
         }
-        bool reaches = nodes[id].leaf == 1;
-        for (std::size_t c : nodes[id].children) reaches = reaches || nodes[c].reaches_input;
-        nodes[id].reaches_input = reaches;
-        reaches_inputs_ = reaches_inputs_ || reaches;
+        auto& info = nodes[id];
+        info.reaches_input = info.leaf == 1;
+        info.reaches_weight = info.leaf == 2;
+        for (std::size_t c : info.children) {
+          info.reaches_input = info.reaches_input || nodes[c].reaches_input;
+          info.reaches_weight = info.reaches_weight || nodes[c].reaches_weight;
+        }
+        reaches_inputs_ = reaches_inputs_ || info.reaches_input;
         stack.pop_back();
       }
     }
-    // The parameter accumulators below a node that does not lead to an input.
-    auto weights_below = [&](std::size_t from, std::vector<char>& seen, torch::autograd::edge_list& out) {
-      std::vector<std::size_t> stack{from};
-      while (!stack.empty()) {
-        const std::size_t id = stack.back();
-        stack.pop_back();
-        if (seen[id]) continue;
-        seen[id] = 1;
-        if (nodes[id].leaf == 2) out.emplace_back(nodes[id].node, 0);
-        for (std::size_t c : nodes[id].children) stack.push_back(c);
-      }
-    };
-    std::unordered_map<Node*, std::size_t> owner;
-    auto claim = [&](const torch::autograd::edge_list& weights) {
-      for (const auto& w : weights) {
-        if (!owner.emplace(w.function.get(), parts_.size()).second) fallback_ = true;
-      }
-    };
-    // The outputs' own parameter-only branches (all of them when no input needs a gradient).
+    // The outputs' own parameter-only graphs (all of the graph when no input needs a gradient).
     {
       detail::WeightPart part;
-      std::vector<char> seen(nodes.size(), 0);
       for (std::size_t k = 0; k < root_ids.size(); ++k) {
-        if (nodes[root_ids[k]].reaches_input) continue;
+        const auto& info = nodes[root_ids[k]];
+        if (info.reaches_input || !info.reaches_weight) continue;
         part.roots.push_back(root_edges[k]);
         part.root_grads.push_back(grads_[k]);
-        weights_below(root_ids[k], seen, part.weights);
       }
-      if (!part.weights.empty()) {
-        claim(part.weights);
-        parts_.push_back(std::move(part));
-      }
+      if (!part.roots.empty()) parts_.push_back(std::move(part));
     }
-    // Nodes on the input-gradient path whose other branches lead to parameters.
-    for (std::size_t id = 0; id < nodes.size(); ++id) {
-      if (!nodes[id].reaches_input || nodes[id].leaf != 0) continue;
-      detail::WeightPart part;
-      std::vector<char> seen(nodes.size(), 0);
-      for (std::size_t c : nodes[id].children) {
-        if (!nodes[c].reaches_input) weights_below(c, seen, part.weights);
-      }
-      const auto& node = nodes[id].node;
-      if (part.weights.empty() || node->num_inputs() == 0) continue;
-      for (uint32_t k = 0; k < node->num_inputs(); ++k) part.roots.emplace_back(node, k);
-      part.captured = std::make_shared<detail::CapturedGrads>();
-      claim(part.weights);
-      parts_.push_back(std::move(part));
-    }
+    // Nodes on the input-gradient path with parameter-only branches keep what I gives them.
     for (const auto& info : nodes) {
-      if (info.leaf == 2) {
-        weights_.push_back(static_cast<torch::autograd::AccumulateGrad*>(info.node.get())->variable);
+      if (!info.reaches_input || info.leaf != 0 || info.node->num_inputs() == 0) continue;
+      bool branches = false;
+      for (std::size_t c : info.children) branches = branches || (!nodes[c].reaches_input && nodes[c].reaches_weight);
+      if (!branches) continue;
+      detail::WeightPart part;
+      for (uint32_t k = 0; k < info.node->num_inputs(); ++k) part.roots.emplace_back(info.node, k);
+      const auto& edges = info.node->next_edges();
+      for (std::size_t e = 0; e < edges.size(); ++e) {
+        if (edges[e].is_valid() && nodes[index.at(edges[e].function.get())].reaches_input) part.cut.push_back(e);
       }
-    }
-    if (fallback_) return;
-    for (auto& part : parts_) {
-      if (!part.captured) continue;
+      part.captured = std::make_shared<detail::CapturedGrads>();
       part.captured->armed = true;
-      part.roots.front().function->add_pre_hook(std::make_unique<detail::CaptureGrads>(part.captured));
+      info.node->add_pre_hook(std::make_unique<detail::CaptureGrads>(part.captured));
+      parts_.push_back(std::move(part));
     }
   }
 
   std::vector<torch::Tensor> outputs_;
   std::vector<torch::Tensor> grads_;
   std::vector<detail::WeightPart> parts_;
-  std::vector<torch::Tensor> weights_;
   bool reaches_inputs_ = false;
-  bool fallback_ = false;
 };
 
 }  // namespace stagewise::runtime
