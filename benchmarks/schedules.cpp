@@ -25,9 +25,9 @@ using sw::bench::median_us;
 
 namespace {
 
-constexpr int kWidth = 512;
+constexpr int kWidth = 256;
 constexpr int kBlocks = 8;
-constexpr int kBatch = 256;
+constexpr int kBatch = 1024;
 constexpr int kChunks = 8;
 constexpr int kRounds = 15;
 

@@ -5,6 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
 #include <vector>
 
 using stagewise::runtime::SplitBackward;
@@ -23,6 +27,35 @@ struct Counted : torch::autograd::Function<Counted> {
     return {g[0], torch::Tensor()};
   }
 };
+
+// Counts how often each kind of autograd node runs.
+struct CountRuns final : torch::autograd::FunctionPreHook {
+  CountRuns(std::string name, std::map<std::string, int>* runs) : name_(std::move(name)), runs_(runs) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& g) override {
+    ++(*runs_)[name_];
+    return g;
+  }
+  std::string name_;
+  std::map<std::string, int>* runs_;
+};
+
+void count_runs(const torch::Tensor& y, std::map<std::string, int>* runs) {
+  std::vector<std::shared_ptr<torch::autograd::Node>> todo{y.grad_fn()};
+  std::set<torch::autograd::Node*> seen;
+  while (!todo.empty()) {
+    auto n = todo.back();
+    todo.pop_back();
+    if (!seen.insert(n.get()).second) continue;
+    std::string name = n->name();
+    for (const char* kind : {"Addmm", "Relu", "TBackward", "AccumulateGrad"}) {
+      if (name.find(kind) != std::string::npos) name = kind;
+    }
+    n->add_pre_hook(std::make_unique<CountRuns>(name, runs));
+    for (const auto& e : n->next_edges()) {
+      if (e.is_valid()) todo.push_back(e.function);
+    }
+  }
+}
 
 std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
@@ -79,6 +112,26 @@ TEST_SUITE("split backward") {
     for (auto& p : b->parameters()) params.push_back(p);
     check_split_equals_full(f, torch::randn({5, 4}, torch::requires_grad()), params);
     CHECK(calls == 2);  // once in the full backward, once in I, never in W
+  }
+
+  TEST_CASE("I runs only the input-gradient path and W only the weight branches") {
+    torch::manual_seed(6);
+    torch::nn::Sequential stage;
+    for (int i = 0; i < 4; ++i) {
+      stage->push_back(torch::nn::Linear(8, 8));
+      stage->push_back(torch::nn::ReLU());
+    }
+    auto x = torch::randn({3, 8}, torch::requires_grad());
+    auto y = stage->forward(x);
+    std::map<std::string, int> runs;
+    count_runs(y, &runs);
+    SplitBackward split;
+    split.input_grad({y}, {torch::ones_like(y)}, {x});
+    CHECK(runs == std::map<std::string, int>{{"Addmm", 4}, {"Relu", 4}});  // input mm of each layer
+    runs.clear();
+    split.weight_grad();
+    // Each addmm again for its weight and bias only; no ReLU: the activation gradients are reused.
+    CHECK(runs == std::map<std::string, int>{{"Addmm", 4}, {"TBackward", 4}, {"AccumulateGrad", 8}});
   }
 
   TEST_CASE("without an input that needs a gradient, W does the whole backward") {
