@@ -5,7 +5,10 @@
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
+#include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/timeline.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/stage_list.hpp"
 #include "stagewise/stage/stage_spec.hpp"
@@ -78,15 +81,21 @@ class PipeImpl : public torch::nn::Module {
                                      is_training());
   }
 
-  /// One training step driven by `sched` (GPipe's fill-drain by default): returns the loss of the
-  /// whole mini-batch and leaves the parameters' gradients accumulated, as
+  /// One training step driven by `sched` (GPipe's fill-drain by default; also
+  /// `schedule::one_f_one_b`, `interleaved_one_f_one_b`, `zero_bubble_h1`, or your own coroutine):
+  /// returns the loss of the whole mini-batch and leaves the parameters' gradients accumulated, as
   /// `loss_fn(model(input), target).backward()` would. `loss_fn(output, target)` must average
   /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
-  /// micro-batch's loss is weighted by its share of the rows.
-  template <class Schedule = schedule::gpipe>
+  /// micro-batch's loss is weighted by its share of the rows. The schedule is verified before
+  /// anything runs. An interleaved schedule runs the pipe's v x K stages on the first K stages'
+  /// workers (stage k on worker k % K). If `timeline` is given, it receives every action's start
+  /// and end in microseconds (see `schedule::to_chrome_trace`).
+  ///   sw::schedule::Timeline t;
+  ///   pipe->train_step(x, y, loss_fn, sw::schedule::zero_bubble_h1{}, &t);
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
-                           const Schedule& sched = {}) {
-    return run_train_step(input, target, std::move(loss_fn), sched, nullptr);
+                           const Schedule& sched = {}, schedule::Timeline* timeline = nullptr) {
+    return run_train_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
   }
 
   /// train_step with the optimizer step fused into backward (e.g. `optim::FusedStep`): each
@@ -95,14 +104,16 @@ class PipeImpl : public torch::nn::Module {
   /// to train_step followed by the unfused optimizer's step (for SGD, Adam, AdamW, ...).
   ///   stagewise::optim::FusedStep fused(pipe->parameters(), torch::optim::AdamOptions(1e-3));
   ///   auto loss = pipe->train_step(x, y, loss_fn, fused);  // no optimizer.step() needed
-  template <fused_stepper Fused, class Schedule = schedule::gpipe>
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
-                           Fused& fused, const Schedule& sched = {}) {
+                           Fused& fused, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
     torch::Tensor loss;
     try {
       // Every stage back-propagates each micro-batch once, whatever the checkpoint mode.
       loss = run_train_step(input, target, std::move(loss_fn), sched,
-                            [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); });
+                            [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); },
+                            timeline);
     } catch (...) {
       fused.reset_step();
       throw;
@@ -112,16 +123,18 @@ class PipeImpl : public torch::nn::Module {
   }
 
   /// The fused train_step for one input tensor and one target tensor.
-  template <fused_stepper Fused, class Schedule = schedule::gpipe>
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
-                           runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {}) {
-    return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched);
+                           runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched, timeline);
   }
 
  private:
   template <class Schedule>
   torch::Tensor run_train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
-                               const Schedule& sched, const std::function<void(int)>& before) {
+                               const Schedule& sched, const std::function<void(int)>& before,
+                               schedule::Timeline* timeline) {
     TORCH_CHECK(!stages_.empty(), "stagewise::Pipe::train_step: the pipe has no stages");
     TORCH_CHECK(torch::GradMode::is_enabled(),
                 "stagewise::Pipe::train_step: grad mode is off (a NoGradGuard is active); "
@@ -138,18 +151,19 @@ class PipeImpl : public torch::nn::Module {
     step.training = is_training();
     const int m = static_cast<int>(step.inputs.size());
     step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
-    const auto programs = runtime::stage_programs(sched, static_cast<int>(stages_.size()), m, step.stop);
+    const auto plan = schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (before) before(m);
-    return runtime::run_programs(stages_, programs, step);
+    return runtime::run_programs(stages_, plan, step, timeline);
   }
 
  public:
 
   /// train_step for one input tensor and one target tensor.
-  template <class Schedule = schedule::gpipe>
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
-                           runtime::loss_fn_t loss_fn, const Schedule& sched = {}) {
-    return train_step(Batch(input), Batch(target), std::move(loss_fn), sched);
+                           runtime::loss_fn_t loss_fn, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), sched, timeline);
   }
 
   /// Number of stages.

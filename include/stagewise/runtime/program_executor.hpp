@@ -4,13 +4,18 @@
 #include "stagewise/core/checkpoint_state.hpp"
 #include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
+#include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/action.hpp"
+#include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/timeline.hpp"
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
 #include <torch/types.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -24,31 +29,6 @@
 namespace stagewise::runtime {
 
 using loss_fn_t = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>;
-
-/// Each stage's actions in the order it performs them, from a schedule's stream of actions,
-/// with a recompute inserted just before the first backward of every checkpointed micro-batch.
-/// The worker runs a recompute as soon as its previous action is done, so it overlaps with the
-/// later stages' backward instead of waiting for the gradient.
-template <class Schedule>
-std::vector<std::vector<schedule::Action>> stage_programs(const Schedule& sched, int n, int m,
-                                                          int64_t stop) {
-  std::vector<std::vector<schedule::Action>> programs(n);
-  std::vector<char> recomputed(static_cast<std::size_t>(n) * m, 0);
-  for (const auto& a : sched(n, m)) {
-    TORCH_CHECK(a.stage >= 0 && a.stage < n && a.micro >= 0 && a.micro < m,
-                "stagewise::train_step: the schedule yielded ", schedule::to_string(a),
-                ", outside ", n, " stages and ", m, " micro-batches");
-    const bool needs_grad = a.kind == schedule::ActionKind::backward ||
-                            a.kind == schedule::ActionKind::input_grad;
-    auto& done = recomputed[static_cast<std::size_t>(a.stage) * m + a.micro];
-    if (needs_grad && a.micro < stop && !done) {
-      programs[a.stage].push_back({a.stage, schedule::ActionKind::recompute, a.micro});
-      done = 1;
-    }
-    programs[a.stage].push_back(a);
-  }
-  return programs;
-}
 
 namespace detail {
 
@@ -119,6 +99,7 @@ struct CellMemory {
   std::vector<torch::Tensor> outputs;  // with their graph (empty while checkpointed)
   torch::Tensor loss;                  // last stage only
   std::optional<RngState> rng;         // checkpointed cells only
+  std::optional<SplitBackward> split;  // between I and W
 };
 
 }  // namespace detail
@@ -131,28 +112,21 @@ struct TrainStep {
   loss_fn_t loss_fn;
   int64_t stop = 0;             // micro-batches below it are checkpointed
   bool training = true;
+  std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
 };
 
-/// Runs one stage's program on its worker thread (called inside the worker).
-inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages, int j,
-                                 const std::vector<schedule::Action>& program, TrainStep& step,
-                                 detail::Mailboxes& mail) {
-  using schedule::ActionKind;
-  StageRuntime& stage = *stages[j];
-  const int n = static_cast<int>(stages.size());
-  const int m = static_cast<int>(step.inputs.size());
-  const bool last = j == n - 1;
-  const bool replay = step.stop > 0;
-  std::vector<detail::CellMemory> cells(m);
-  torch::Tensor total;
-  std::optional<c10::DeviceGuard> device_guard;
-  std::optional<c10::StreamGuard> stream_guard;
-  if (stage.device.type() != torch::kCPU) {
-    device_guard.emplace(stage.device);
-    stream_guard.emplace(stage.compute);
-  }
+namespace detail {
 
-  auto forward = [&](detail::CellMemory& cell, int i) {
+// F: runs stage j on micro-batch i from `x` and keeps what its backward needs; returns the output.
+inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x, TrainStep& step,
+                          CellMemory& cell, torch::Tensor& total) {
+  const bool replay = step.stop > 0;
+  cell.input_atomic = x.atomic();
+  for (const auto& t : x) {
+    const bool grad = j > 0 && (t.is_floating_point() || t.is_complex());
+    cell.leaves.push_back(t.detach().requires_grad_(grad));
+  }
+  auto run = [&] {
     Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
     if (last) {
       TORCH_CHECK(out.atomic() && step.targets[i].atomic(),
@@ -162,71 +136,123 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
     }
     return out;
   };
+  std::optional<Batch> out;
+  if (i < step.stop) {
+    stage.rng.run(step.training, [&] {
+      cell.rng = RngState::capture(stage.device);
+      torch::NoGradGuard no_grad;
+      auto scope = ::stagewise::detail::checkpointing_scope();
+      out.emplace(run());
+    });
+  } else if (replay) {
+    stage.rng.run(step.training, [&] { out.emplace(run()); });
+  } else {
+    out.emplace(run());
+  }
+  if (last) {
+    auto value = cell.loss.detach();
+    total = total.defined() ? total + value : value;
+    if (i < step.stop) cell.loss = torch::Tensor();  // recomputed with grad later
+  }
+  if (i >= step.stop) cell.outputs.assign(out->begin(), out->end());
+  return std::move(*out);
+}
 
-  for (const auto& a : program) {
+// R: re-runs a checkpointed cell with grad enabled and its forward's random numbers.
+inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& step, CellMemory& cell) {
+  stage.rng.run(step.training, [&] {
+    // A stage known to draw nothing runs without the lock, and rewinding the process-wide
+    // generator there would disturb a drawing stage running at the same time; it needs no
+    // replay anyway. (Its first run, an F, has taught the section which kind it is.)
+    std::optional<RngState::Restore> replay_rng;
+    if (!stage.rng.draws_nothing(step.training)) replay_rng.emplace(*cell.rng);
+    auto scope = ::stagewise::detail::recomputing_scope();
+    Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    if (last) cell.loss = step.loss_fn(out.tensor(), step.targets[i].tensor()) * step.weights[i];
+    cell.outputs.assign(out.begin(), out.end());
+  });
+}
+
+// The outputs to differentiate and their gradients: the loss on the last stage, else the outputs
+// that require grad and got a gradient from the next stage.
+inline void backward_roots(const CellMemory& cell, bool last, const std::vector<torch::Tensor>* g,
+                           std::vector<torch::Tensor>& outs, std::vector<torch::Tensor>& grads) {
+  if (last) {
+    outs.push_back(cell.loss);
+    grads.push_back(torch::ones_like(cell.loss));
+    return;
+  }
+  for (std::size_t k = 0; k < cell.outputs.size() && k < g->size(); ++k) {
+    if (cell.outputs[k].requires_grad() && (*g)[k].defined()) {
+      outs.push_back(cell.outputs[k]);
+      grads.push_back((*g)[k]);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Runs worker `w`'s actions of `plan` in order (called on that worker's thread): F takes the
+/// activation from the mailbox and posts its output to the next stage; R recomputes a
+/// checkpointed cell; B runs the cell's backward and posts its input gradients; I posts the input
+/// gradients and keeps the rest for W, which accumulates the weight gradients. A worker may run
+/// several stages (interleaved schedules). Appends each action's times to `record` if given.
+/// Returns the summed loss of the micro-batches whose last stage ran here.
+inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages, const schedule::Plan& plan,
+                                 int w, TrainStep& step, detail::Mailboxes& mail,
+                                 std::vector<schedule::TimedAction>* record) {
+  using schedule::ActionKind;
+  const int n = plan.stages;
+  const int m = plan.micro_batches;
+  std::vector<std::vector<detail::CellMemory>> cells(static_cast<std::size_t>(n));
+  torch::Tensor total;
+  auto now = [&] {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - step.start).count();
+  };
+
+  for (const auto& a : plan.programs[static_cast<std::size_t>(w)]) {
+    const int j = a.stage;
     const int i = a.micro;
-    auto& cell = cells[i];
+    const bool last = j == n - 1;
+    StageRuntime& stage = *stages[static_cast<std::size_t>(j)];
+    auto& row = cells[static_cast<std::size_t>(j)];
+    if (row.empty()) row.resize(static_cast<std::size_t>(m));
+    auto& cell = row[static_cast<std::size_t>(i)];
+    std::optional<c10::DeviceGuard> device_guard;
+    std::optional<c10::StreamGuard> stream_guard;
+    if (stage.device.type() != torch::kCPU) {
+      device_guard.emplace(stage.device);
+      stream_guard.emplace(stage.compute);
+    }
+    // Wait for what the action consumes; its recorded time starts once that is here.
+    std::optional<Batch> received;
+    std::optional<std::vector<torch::Tensor>> grad;
+    if (a.kind == ActionKind::forward) {
+      received = j == 0 ? std::optional<Batch>(step.inputs[static_cast<std::size_t>(i)]) : mail.take_activation(j, i);
+      if (!received) throw detail::Aborted{};
+    }
+    if ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !last) {
+      grad = mail.take_gradient(j, i);
+      if (!grad) throw detail::Aborted{};
+    }
+    const double start = record ? now() : 0.0;
     switch (a.kind) {
       case ActionKind::forward: {
-        auto received = j == 0 ? std::optional<Batch>(step.inputs[i]) : mail.take_activation(j, i);
-        if (!received) throw detail::Aborted{};
-        Batch x = j == 0 ? *received : stage.receive(*received, *stages[j - 1], i);
-        cell.input_atomic = x.atomic();
-        for (const auto& t : x) {
-          const bool grad = j > 0 && (t.is_floating_point() || t.is_complex());
-          cell.leaves.push_back(t.detach().requires_grad_(grad));
-        }
-        std::optional<Batch> out;
-        if (i < step.stop) {
-          auto body = [&] {
-            cell.rng = RngState::capture(stage.device);
-            torch::NoGradGuard no_grad;
-            auto scope = ::stagewise::detail::checkpointing_scope();
-            out.emplace(forward(cell, i));
-          };
-          stage.rng.run(step.training, body);
-        } else if (replay) {
-          stage.rng.run(step.training, [&] { out.emplace(forward(cell, i)); });
-        } else {
-          out.emplace(forward(cell, i));
-        }
-        if (last) {
-          auto value = cell.loss.detach();
-          total = total.defined() ? total + value : value;
-          if (i < step.stop) cell.loss = torch::Tensor();  // recomputed with grad later
-        } else {
+        Batch x = j == 0 ? *received : stage.receive(*received, *stages[static_cast<std::size_t>(j - 1)], i);
+        Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
+        if (!last) {
           std::vector<torch::Tensor> sent;
-          for (const auto& t : *out) sent.push_back(t.detach());
-          mail.post_activation(j + 1, i, out->atomic() ? Batch(sent.front()) : Batch(sent));
+          for (const auto& t : out) sent.push_back(t.detach());
+          mail.post_activation(j + 1, i, out.atomic() ? Batch(sent.front()) : Batch(sent));
         }
-        if (i >= step.stop) cell.outputs.assign(out->begin(), out->end());
         break;
       }
-      case ActionKind::recompute: {
-        stage.rng.run(step.training, [&] {
-          RngState::Restore replay_rng(*cell.rng);
-          auto scope = ::stagewise::detail::recomputing_scope();
-          Batch out = forward(cell, i);
-          cell.outputs.assign(out.begin(), out.end());
-        });
-        break;
-      }
+      case ActionKind::recompute: detail::recompute_cell(stage, i, last, step, cell); break;
       case ActionKind::backward: {
-        if (last) {
-          torch::autograd::backward({cell.loss});
-        } else {
-          auto g = mail.take_gradient(j, i);
-          if (!g) throw detail::Aborted{};
-          std::vector<torch::Tensor> outs;
-          std::vector<torch::Tensor> grads;
-          for (std::size_t k = 0; k < cell.outputs.size(); ++k) {
-            if (cell.outputs[k].requires_grad() && (*g)[k].defined()) {
-              outs.push_back(cell.outputs[k]);
-              grads.push_back((*g)[k]);
-            }
-          }
-          if (!outs.empty()) torch::autograd::backward(outs, grads);
-        }
+        std::vector<torch::Tensor> outs;
+        std::vector<torch::Tensor> grads;
+        detail::backward_roots(cell, last, grad ? &*grad : nullptr, outs, grads);
+        if (!outs.empty()) torch::autograd::backward(outs, grads);
         if (j > 0) {
           std::vector<torch::Tensor> input_grads;
           for (auto& leaf : cell.leaves) input_grads.push_back(leaf.grad());
@@ -235,32 +261,54 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
         cell = detail::CellMemory{};  // free this cell's activations now
         break;
       }
-      default:
-        TORCH_CHECK(false, "stagewise::train_step: action ", schedule::to_string(a),
-                    " is not supported by this executor; use forward, backward and recompute");
+      case ActionKind::input_grad: {
+        std::vector<torch::Tensor> outs;
+        std::vector<torch::Tensor> grads;
+        detail::backward_roots(cell, last, grad ? &*grad : nullptr, outs, grads);
+        cell.split.emplace();
+        auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), cell.leaves);
+        if (j > 0) mail.post_gradient(j - 1, i, std::move(input_grads));
+        cell.outputs.clear();  // the split holds the graph until W
+        cell.loss = torch::Tensor();
+        break;
+      }
+      case ActionKind::weight_grad: {
+        TORCH_CHECK(cell.split, "stagewise::train_step: ", schedule::to_string(a),
+                    " runs before its input-gradient pass; verify the schedule");
+        cell.split->weight_grad();
+        cell = detail::CellMemory{};
+        break;
+      }
     }
+    if (record) record->push_back({a, w, start, now()});
   }
   return total;
 }
 
-/// Runs every stage's program concurrently on its worker and returns the summed, weighted loss.
-/// A failure in any stage stops all of them; the first exception is rethrown unchanged.
-inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
-                                  const std::vector<std::vector<schedule::Action>>& programs,
-                                  TrainStep& step) {
-  const int n = static_cast<int>(stages.size());
-  detail::Mailboxes mail(n, static_cast<int>(step.inputs.size()));
+/// Runs every worker's program of `plan` concurrently (worker w on stage w's thread) and returns
+/// the summed, weighted loss. A failure in any stage stops all of them; the first exception is
+/// rethrown unchanged. If `timeline` is given, it receives every action's start and end, in
+/// microseconds from the start of the step.
+inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages, const schedule::Plan& plan,
+                                  TrainStep& step, schedule::Timeline* timeline = nullptr) {
+  TORCH_CHECK(plan.stages == static_cast<int>(stages.size()), "stagewise::train_step: the plan has ",
+              plan.stages, " stages but the pipe ", stages.size(), "; plan for the pipe's stages");
+  const int workers = plan.workers;
+  detail::Mailboxes mail(plan.stages, plan.micro_batches);
   const at::ThreadLocalState state;
   std::mutex mutex;
   std::condition_variable done;
-  int pending = n;
+  int pending = workers;
   torch::Tensor loss;
-  for (int j = 0; j < n; ++j) {
-    stages[j]->worker.post([&, j] {
+  std::vector<std::vector<schedule::TimedAction>> records(static_cast<std::size_t>(workers));
+  const int last_worker = plan.worker_of(plan.stages - 1);
+  step.start = std::chrono::steady_clock::now();
+  for (int w = 0; w < workers; ++w) {
+    stages[static_cast<std::size_t>(w)]->worker.post([&, w] {
       try {
         at::ThreadLocalStateGuard guard(state);
-        auto total = run_program(stages, j, programs[j], step, mail);
-        if (j == n - 1) loss = total;
+        auto total = run_program(stages, plan, w, step, mail, timeline ? &records[static_cast<std::size_t>(w)] : nullptr);
+        if (w == last_worker) loss = total;
       } catch (const detail::Aborted&) {
         // another stage failed first; its exception is the one reported
       } catch (...) {
@@ -273,6 +321,16 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
   std::unique_lock<std::mutex> lock(mutex);
   done.wait(lock, [&] { return pending == 0; });
   if (auto e = mail.error()) std::rethrow_exception(e);
+  if (timeline) {
+    timeline->stages = plan.stages;
+    timeline->micro_batches = plan.micro_batches;
+    timeline->workers = workers;
+    timeline->unit = "us";
+    timeline->actions.clear();
+    for (auto& r : records) timeline->actions.insert(timeline->actions.end(), r.begin(), r.end());
+    std::stable_sort(timeline->actions.begin(), timeline->actions.end(),
+                     [](const schedule::TimedAction& x, const schedule::TimedAction& y) { return x.start < y.start; });
+  }
   return loss;
 }
 

@@ -24,18 +24,24 @@ class RngSection {
 
   void run(bool training, const std::function<void()>& body) {
     auto& known = state_[training ? 1 : 0];
-    if (known.load(std::memory_order_acquire) == draws_nothing) {
+    if (known.load(std::memory_order_acquire) == not_drawing) {
       body();
       return;
     }
     std::lock_guard<std::mutex> lock(global_mutex());
-    if (known.load(std::memory_order_relaxed) == draws) {
+    if (known.load(std::memory_order_relaxed) == drawing) {
       body();
       return;
     }
     const auto before = fingerprint();
     body();
-    known.store(fingerprint().equal(before) ? draws_nothing : draws, std::memory_order_release);
+    known.store(fingerprint().equal(before) ? not_drawing : drawing, std::memory_order_release);
+  }
+
+  /// Whether a run (in training or not) is known to draw no random numbers: such a stage runs
+  /// without the lock, so it must not touch the generators either (no replay needed).
+  bool draws_nothing(bool training) const {
+    return state_[training ? 1 : 0].load(std::memory_order_acquire) == not_drawing;
   }
 
   /// The lock every drawing stage holds while it runs (process-wide, shared by all pipes).
@@ -45,7 +51,7 @@ class RngSection {
   }
 
  private:
-  enum : int { unknown = 0, draws = 1, draws_nothing = 2 };
+  enum : int { unknown = 0, drawing = 1, not_drawing = 2 };
 
   torch::Tensor fingerprint() const {
     auto read = [](at::Generator g) {

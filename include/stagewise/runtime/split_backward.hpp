@@ -1,0 +1,241 @@
+#pragma once
+
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace stagewise::runtime {
+
+namespace detail {
+
+// What a node of the graph received during the input-gradient pass.
+struct CapturedGrads {
+  bool armed = false;
+  torch::autograd::variable_list grads;
+};
+
+// Keeps the gradients a node receives while armed, for the weight-gradient pass to start from.
+class CaptureGrads final : public torch::autograd::FunctionPreHook {
+ public:
+  explicit CaptureGrads(std::shared_ptr<CapturedGrads> slot) : slot_(std::move(slot)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (slot_->armed) slot_->grads = grads;
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<CapturedGrads> slot_;
+};
+
+// Where the weight-gradient pass starts: the outputs whose graph leads only to parameters (with
+// `root_grads`), or a node on the input-gradient path with parameter-only branches (with the
+// gradients `captured` there during I, and the indices of its edges towards the inputs, `cut`).
+struct WeightPart {
+  torch::autograd::edge_list roots;
+  torch::autograd::variable_list root_grads;
+  std::shared_ptr<CapturedGrads> captured;
+  std::vector<std::size_t> cut;
+};
+
+}  // namespace detail
+
+/// One cell's backward in two passes, zero-bubble's I and W.
+///
+/// `input_grad` computes the gradients of the cell's inputs only: autograd skips the branches
+/// that lead only to parameters. Before it runs, the graph is searched for the nodes where such
+/// branches leave the input-gradient path (a Linear's addmm: one branch to its input, one to its
+/// weight), and each of those nodes keeps the gradient it receives during I. `weight_grad` then
+/// cuts those nodes' edges towards the inputs and runs the engine once from the kept gradients,
+/// so only the skipped branches run and accumulate into the parameters' `.grad`: I + W do the
+/// work of one backward, nothing twice. A parameter reached from several places (a module
+/// applied twice) gets the sum, as in one backward. The graph is consumed by W; between I and W
+/// it is kept whole, saved activations included.
+///   SplitBackward split;
+///   auto dx = split.input_grad({y}, {dy}, {x});   // I: send dx to the previous stage
+///   split.weight_grad();                          // W: later, parameters' .grad
+class SplitBackward {
+ public:
+  /// I: the gradients of `inputs` (undefined where an input gets none) for `outputs` with
+  /// gradients `grads`; keeps what `weight_grad` needs. Outputs that do not require grad or get
+  /// an undefined gradient are skipped.
+  std::vector<torch::Tensor> input_grad(std::vector<torch::Tensor> outputs, std::vector<torch::Tensor> grads,
+                                        const std::vector<torch::Tensor>& inputs) {
+    for (std::size_t k = 0; k < outputs.size() && k < grads.size(); ++k) {
+      if (outputs[k].requires_grad() && grads[k].defined()) {
+        outputs_.push_back(std::move(outputs[k]));
+        grads_.push_back(std::move(grads[k]));
+      }
+    }
+    analyse(inputs);
+    std::vector<torch::Tensor> wanted;
+    std::vector<std::size_t> at;
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      if (inputs[k].requires_grad()) {
+        wanted.push_back(inputs[k]);
+        at.push_back(k);
+      }
+    }
+    std::vector<torch::Tensor> out(inputs.size());
+    if (reaches_inputs_ && !wanted.empty()) {
+      auto got = torch::autograd::grad(outputs_, wanted, grads_, /*retain_graph=*/true,
+                                       /*create_graph=*/false, /*allow_unused=*/true);
+      for (std::size_t k = 0; k < got.size(); ++k) out[at[k]] = std::move(got[k]);
+    }
+    for (auto& part : parts_) {
+      if (part.captured) part.captured->armed = false;
+    }
+    return out;
+  }
+
+  /// W: accumulates the weight gradients into the parameters' `.grad`, then frees the graph.
+  void weight_grad() {
+    torch::autograd::edge_list roots;
+    torch::autograd::variable_list grads;
+    for (auto& part : parts_) {
+      const auto& given = part.captured ? part.captured->grads : part.root_grads;
+      for (std::size_t k = 0; k < part.roots.size() && k < given.size(); ++k) {
+        if (!given[k].defined()) continue;
+        roots.push_back(part.roots[k]);
+        grads.push_back(given[k]);
+      }
+      // Cut the node off the input-gradient path: I has done that part, and through it this
+      // node's gradient would reach the next such node's parameters a second time. (Removing
+      // an edge keeps autograd's parent-above-child ordering, so the edge list is edited
+      // directly; set_next_edge refuses nodes that have parents.)
+      for (std::size_t e : part.cut) part.roots.front().function->next_edges()[e] = Edge();
+    }
+    if (!roots.empty()) {
+      torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
+                                                            /*create_graph=*/false, /*accumulate_grad=*/true);
+    }
+    *this = SplitBackward{};
+  }
+
+ private:
+  using Node = torch::autograd::Node;
+  using Edge = torch::autograd::Edge;
+
+  struct Info {
+    std::shared_ptr<Node> node;
+    std::vector<std::size_t> children;
+    int leaf = 0;                  // 1: accumulator of an input, 2: of a parameter
+    bool reaches_input = false;    // run by the input-gradient pass
+    bool reaches_weight = false;   // a parameter's accumulator lies below
+  };
+
+  void analyse(const std::vector<torch::Tensor>& inputs) {
+    std::unordered_set<const c10::TensorImpl*> input_set;
+    for (const auto& x : inputs) {
+      if (x.requires_grad()) input_set.insert(x.unsafeGetTensorImpl());
+    }
+    std::vector<Info> nodes;
+    std::unordered_map<Node*, std::size_t> index;
+    std::vector<std::size_t> todo;
+    auto visit = [&](const std::shared_ptr<Node>& n) {
+      auto [it, fresh] = index.emplace(n.get(), nodes.size());
+      if (fresh) {
+        Info info;
+        info.node = n;
+        if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n.get())) {
+          info.leaf = input_set.count(acc->variable.unsafeGetTensorImpl()) ? 1 : 2;
+        }
+        nodes.push_back(std::move(info));
+        todo.push_back(it->second);
+      }
+      return it->second;
+    };
+    std::vector<Edge> root_edges;
+    std::vector<std::size_t> root_ids;
+    for (const auto& y : outputs_) {
+      root_edges.push_back(torch::autograd::impl::gradient_edge(y));
+      root_ids.push_back(visit(root_edges.back().function));
+    }
+    while (!todo.empty()) {
+      const std::size_t id = todo.back();
+      todo.pop_back();
+      const auto node = nodes[id].node;
+      for (const auto& e : node->next_edges()) {
+        if (e.is_valid()) {
+          const std::size_t child = visit(e.function);
+          nodes[id].children.push_back(child);
+        }
+      }
+    }
+    // What lies below each node, children first.
+    std::vector<char> state(nodes.size(), 0);
+    for (std::size_t r : root_ids) {
+      if (state[r]) continue;
+      std::vector<std::pair<std::size_t, std::size_t>> stack{{r, 0}};
+      state[r] = 1;
+      while (!stack.empty()) {
+        const auto [id, k] = stack.back();
+        if (k < nodes[id].children.size()) {
+          ++stack.back().second;
+          const std::size_t c = nodes[id].children[k];
+          if (!state[c]) {
+            state[c] = 1;
+            stack.push_back({c, 0});
+          }
+          continue;
+        }
+        auto& info = nodes[id];
+        info.reaches_input = info.leaf == 1;
+        info.reaches_weight = info.leaf == 2;
+        for (std::size_t c : info.children) {
+          info.reaches_input = info.reaches_input || nodes[c].reaches_input;
+          info.reaches_weight = info.reaches_weight || nodes[c].reaches_weight;
+        }
+        reaches_inputs_ = reaches_inputs_ || info.reaches_input;
+        stack.pop_back();
+      }
+    }
+    // The outputs' own parameter-only graphs (all of the graph when no input needs a gradient).
+    {
+      detail::WeightPart part;
+      for (std::size_t k = 0; k < root_ids.size(); ++k) {
+        const auto& info = nodes[root_ids[k]];
+        if (info.reaches_input || !info.reaches_weight) continue;
+        part.roots.push_back(root_edges[k]);
+        part.root_grads.push_back(grads_[k]);
+      }
+      if (!part.roots.empty()) parts_.push_back(std::move(part));
+    }
+    // Nodes on the input-gradient path with parameter-only branches keep what I gives them.
+    for (const auto& info : nodes) {
+      if (!info.reaches_input || info.leaf != 0 || info.node->num_inputs() == 0) continue;
+      bool branches = false;
+      for (std::size_t c : info.children) branches = branches || (!nodes[c].reaches_input && nodes[c].reaches_weight);
+      if (!branches) continue;
+      detail::WeightPart part;
+      for (uint32_t k = 0; k < info.node->num_inputs(); ++k) part.roots.emplace_back(info.node, k);
+      const auto& edges = info.node->next_edges();
+      for (std::size_t e = 0; e < edges.size(); ++e) {
+        if (edges[e].is_valid() && nodes[index.at(edges[e].function.get())].reaches_input) part.cut.push_back(e);
+      }
+      part.captured = std::make_shared<detail::CapturedGrads>();
+      part.captured->armed = true;
+      info.node->add_pre_hook(std::make_unique<detail::CaptureGrads>(part.captured));
+      parts_.push_back(std::move(part));
+    }
+  }
+
+  std::vector<torch::Tensor> outputs_;
+  std::vector<torch::Tensor> grads_;
+  std::vector<detail::WeightPart> parts_;
+  bool reaches_inputs_ = false;
+};
+
+}  // namespace stagewise::runtime

@@ -1,0 +1,132 @@
+#pragma once
+
+#include "stagewise/schedule/action.hpp"
+#include "stagewise/schedule/concepts.hpp"
+#include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/replay.hpp"
+#include "stagewise/schedule/timeline.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise::schedule {
+
+/// What each action costs on the simulator's clock, in the zero-bubble paper's terms: T_F is
+/// `forward`, T_B is `input_grad` (the input-gradient part of backward, action I) and T_W is
+/// `weight_grad` (action W); a full backward B costs T_B + T_W, a recompute R costs `recompute`
+/// (negative: the same as `forward`).
+///   stagewise::schedule::Costs{.forward = 1, .input_grad = 1, .weight_grad = 1}  // the default
+struct Costs {
+  double forward = 1.0;
+  double input_grad = 1.0;
+  double weight_grad = 1.0;
+  double recompute = -1.0;
+
+  /// The cost of one action of kind `k`.
+  double of(ActionKind k) const {
+    switch (k) {
+      case ActionKind::forward: return forward;
+      case ActionKind::backward: return input_grad + weight_grad;
+      case ActionKind::input_grad: return input_grad;
+      case ActionKind::weight_grad: return weight_grad;
+      case ActionKind::recompute: return recompute < 0.0 ? forward : recompute;
+    }
+    return 0.0;
+  }
+};
+
+/// A simulated training step: the timeline and what it implies.
+struct Simulation {
+  Timeline timeline;  ///< every action with its simulated start and end, in cost units ("T")
+  /// Per stage, the most micro-batches whose forward ran and whose last backward part (B, or W)
+  /// had not: how many micro-batches of activations the stage holds at once.
+  std::vector<int> peak_in_flight;
+  /// Per worker, the same summed over the worker's stages (interleaved schedules).
+  std::vector<int> worker_peak_in_flight;
+  /// The most cells (micro-batch, stage) alive at once in the whole pipeline, over time: what a
+  /// pipe whose stages share one memory (all on one CPU) holds at its peak.
+  int total_peak_in_flight = 0;
+
+  /// When the last action ends.
+  double makespan() const { return timeline.span(); }
+  /// Time worker `w` sits idle within the makespan.
+  double idle(int w) const { return makespan() - timeline.busy(w); }
+  /// The idle share of all workers' time (GPipe and 1F1B: (K-1)/(M+K-1)).
+  double bubble() const { return timeline.bubble(); }
+  /// The largest of `peak_in_flight`.
+  int max_in_flight() const {
+    return peak_in_flight.empty() ? 0 : *std::max_element(peak_in_flight.begin(), peak_in_flight.end());
+  }
+};
+
+/// Runs a plan on a virtual clock: every worker performs its actions in order, each as soon as
+/// its worker is free and its inputs exist (the activation from the previous stage, the gradient
+/// from the next), taking `costs.of(kind)`; messages take no time.
+inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
+  for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad, ActionKind::recompute}) {
+    TORCH_CHECK(costs.of(k) >= 0.0, "stagewise::schedule::simulate: the cost of ",
+                std::string(1, static_cast<char>(k)), " is ", costs.of(k), "; give costs of 0 or more");
+  }
+  detail::Dependencies deps(plan.stages, plan.micro_batches);
+  auto r = detail::replay(plan.programs, deps, [&](const Action& a) { return costs.of(a.kind); });
+  TORCH_CHECK(r.complete, "stagewise::schedule::simulate: the plan deadlocks; build it with "
+                          "stagewise::schedule::plan, which verifies the schedule");
+  Simulation sim;
+  sim.timeline.stages = plan.stages;
+  sim.timeline.micro_batches = plan.micro_batches;
+  sim.timeline.workers = plan.workers;
+  sim.timeline.unit = "T";
+  sim.timeline.actions = std::move(r.timed);
+  std::stable_sort(sim.timeline.actions.begin(), sim.timeline.actions.end(),
+                   [](const TimedAction& x, const TimedAction& y) { return x.start < y.start; });
+  // In flight: +1 at F, -1 at the cell's last backward part. A worker performs its stages'
+  // actions in program order, so counting along the program is exact.
+  sim.peak_in_flight.assign(static_cast<std::size_t>(plan.stages), 0);
+  sim.worker_peak_in_flight.assign(static_cast<std::size_t>(plan.workers), 0);
+  std::vector<int> now(static_cast<std::size_t>(plan.stages), 0);
+  for (std::size_t w = 0; w < plan.programs.size(); ++w) {
+    int on_worker = 0;
+    for (const auto& a : plan.programs[w]) {
+      int delta = 0;
+      if (a.kind == ActionKind::forward) delta = 1;
+      if (a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad) delta = -1;
+      auto& n = now[static_cast<std::size_t>(a.stage)];
+      n += delta;
+      on_worker += delta;
+      auto& peak = sim.peak_in_flight[static_cast<std::size_t>(a.stage)];
+      peak = std::max(peak, n);
+      sim.worker_peak_in_flight[w] = std::max(sim.worker_peak_in_flight[w], on_worker);
+    }
+  }
+  // Over the whole pipeline, in time: a cell lives from its F's start to its last part's end.
+  std::vector<std::pair<double, int>> events;
+  for (const auto& t : sim.timeline.actions) {
+    if (t.action.kind == ActionKind::forward) events.emplace_back(t.start, 1);
+    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) events.emplace_back(t.end, -1);
+  }
+  std::sort(events.begin(), events.end());  // at equal times, ends (-1) before starts
+  int alive = 0;
+  for (const auto& e : events) {
+    alive += e.second;
+    sim.total_peak_in_flight = std::max(sim.total_peak_in_flight, alive);
+  }
+  return sim;
+}
+
+/// Simulates schedule `sched` for `stages` stages and `micro_batches` micro-batches (the first
+/// `checkpointed` of them recomputed before their backward), after verifying it.
+///   auto sim = stagewise::schedule::simulate(stagewise::schedule::one_f_one_b{}, 4, 8);
+///   sim.bubble();          // 3/11, as (K-1)/(M+K-1)
+///   sim.peak_in_flight[0]; // 4, K (GPipe: 8, M)
+template <pipeline_schedule S>
+Simulation simulate(const S& sched, int stages, int micro_batches, const Costs& costs = {},
+                    int checkpointed = 0) {
+  return simulate(plan(sched, stages, micro_batches, checkpointed), costs);
+}
+
+}  // namespace stagewise::schedule

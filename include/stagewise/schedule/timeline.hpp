@@ -1,0 +1,62 @@
+#pragma once
+
+#include "stagewise/schedule/action.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace stagewise::schedule {
+
+/// One action as it ran (or would run): on which worker, from `start` to `end`.
+struct TimedAction {
+  Action action;
+  int worker = 0;
+  double start = 0.0;
+  double end = 0.0;
+};
+
+/// The actions of a training step laid out in time, simulated (`simulate`, in cost units) or
+/// recorded (`train_step(..., &timeline)`, in microseconds). Draw it with `to_svg` or open
+/// `to_chrome_trace`'s JSON in Perfetto.
+///   stagewise::schedule::Timeline t = stagewise::schedule::simulate(one_f_one_b{}, 4, 8).timeline;
+///   double idle_share = t.bubble();
+struct Timeline {
+  int stages = 0;
+  int micro_batches = 0;
+  int workers = 0;
+  std::string unit = "us";  ///< what `start` and `end` count: "us", or "T" for cost units
+  std::vector<TimedAction> actions;
+
+  /// When the first action started.
+  double begin() const {
+    double t = std::numeric_limits<double>::infinity();
+    for (const auto& a : actions) t = std::min(t, a.start);
+    return actions.empty() ? 0.0 : t;
+  }
+  /// From the first start to the last end (the makespan).
+  double span() const {
+    double t = -std::numeric_limits<double>::infinity();
+    for (const auto& a : actions) t = std::max(t, a.end);
+    return actions.empty() ? 0.0 : t - begin();
+  }
+  /// Time worker `w` spent running actions.
+  double busy(int w) const {
+    double t = 0.0;
+    for (const auto& a : actions) {
+      if (a.worker == w) t += a.end - a.start;
+    }
+    return t;
+  }
+  /// The idle share of all workers' time over the span: 1 - sum(busy) / (workers * span).
+  double bubble() const {
+    const double total = span() * workers;
+    if (total <= 0.0) return 0.0;
+    double used = 0.0;
+    for (int w = 0; w < workers; ++w) used += busy(w);
+    return 1.0 - used / total;
+  }
+};
+
+}  // namespace stagewise::schedule

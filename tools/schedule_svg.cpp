@@ -1,0 +1,111 @@
+// schedule_svg: simulates a pipeline schedule and draws its timeline as an SVG picture.
+//   schedule_svg --schedule=one_f_one_b --stages=4 --micro=8 [--virtual=2] [--costs=1,1,1]
+//                [--checkpointed=0] [--title=TEXT] --out=file.svg
+// --stages is the number of workers K. With --schedule=interleaved_one_f_one_b and --virtual=v
+// the model is cut into v x K stages, each costing 1/v of a whole stage, so pictures of
+// different schedules show the same model. --costs are T_F, T_B (input-gradient part) and T_W.
+// Prints the makespan, the bubble and the peak micro-batches in flight.
+#include "stagewise/schedule/gpipe.hpp"
+#include "stagewise/schedule/interleaved.hpp"
+#include "stagewise/schedule/one_f_one_b.hpp"
+#include "stagewise/schedule/simulate.hpp"
+#include "stagewise/schedule/svg.hpp"
+#include "stagewise/schedule/zero_bubble.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <string>
+
+namespace sched = stagewise::schedule;
+
+namespace {
+
+int usage(const std::string& problem) {
+  std::fprintf(stderr,
+               "schedule_svg: %s\n"
+               "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|zero_bubble_h1\n"
+               "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
+               "                    [--title=TEXT] --out=FILE.svg\n",
+               problem.c_str());
+  return 2;
+}
+
+bool parse_int(const std::string& s, int& out) {
+  try {
+    std::size_t used = 0;
+    out = std::stoi(s, &used);
+    return used == s.size();
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> args{{"virtual", "1"}, {"costs", "1,1,1"}, {"checkpointed", "0"}};
+  for (int k = 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    const auto eq = a.find('=');
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos) return usage("expected --name=value, got '" + a + "'");
+    args[a.substr(2, eq - 2)] = a.substr(eq + 1);
+  }
+  for (const char* needed : {"schedule", "stages", "micro", "out"}) {
+    if (!args.count(needed)) return usage(std::string("--") + needed + " is missing");
+  }
+  int k = 0;
+  int m = 0;
+  int v = 1;
+  int checkpointed = 0;
+  if (!parse_int(args["stages"], k) || k < 1) return usage("--stages must be a positive integer");
+  if (!parse_int(args["micro"], m) || m < 1) return usage("--micro must be a positive integer");
+  if (!parse_int(args["virtual"], v) || v < 1) return usage("--virtual must be a positive integer");
+  if (!parse_int(args["checkpointed"], checkpointed) || checkpointed < 0) {
+    return usage("--checkpointed must be 0 or more");
+  }
+  sched::Costs costs;
+  {
+    std::istringstream in(args["costs"]);
+    char c1 = 0;
+    char c2 = 0;
+    if (!(in >> costs.forward >> c1 >> costs.input_grad >> c2 >> costs.weight_grad) || c1 != ',' || c2 != ',') {
+      return usage("--costs must be three numbers T_F,T_B,T_W, e.g. 1,1,1");
+    }
+  }
+  const std::string name = args["schedule"];
+  if (v != 1 && name != "interleaved_one_f_one_b") return usage("--virtual applies to interleaved_one_f_one_b only");
+  try {
+    sched::Simulation sim;
+    std::string label;
+    if (name == "gpipe") {
+      sim = sched::simulate(sched::gpipe{}, k, m, costs, checkpointed);
+      label = "GPipe";
+    } else if (name == "one_f_one_b") {
+      sim = sched::simulate(sched::one_f_one_b{}, k, m, costs, checkpointed);
+      label = "1F1B";
+    } else if (name == "interleaved_one_f_one_b") {
+      sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
+      sim = sched::simulate(sched::interleaved_one_f_one_b{v}, k * v, m, part, checkpointed);
+      label = "interleaved 1F1B, v=" + std::to_string(v);
+    } else if (name == "zero_bubble_h1") {
+      sim = sched::simulate(sched::zero_bubble_h1{}, k, m, costs, checkpointed);
+      label = "ZB-H1";
+    } else {
+      return usage("unknown schedule '" + name + "'");
+    }
+    std::string title = args.count("title") ? args["title"]
+                                            : label + ": " + std::to_string(k) + " stages, " + std::to_string(m) +
+                                                  " micro-batches";
+    sched::write_svg(sim.timeline, args["out"], {.title = title});
+    std::printf("schedule_svg %s stages=%d micro=%d virtual=%d actions=%zu makespan=%.3f bubble=%.4f peak_in_flight=%d\n",
+                name.c_str(), k, m, v, sim.timeline.actions.size(), sim.makespan(), sim.bubble(),
+                sim.max_in_flight());
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "schedule_svg: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}
