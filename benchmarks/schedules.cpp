@@ -31,14 +31,16 @@ constexpr int kBatch = 1024;
 constexpr int kChunks = 8;
 constexpr int kRounds = 15;
 
-torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); }
+torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
+  return torch::mse_loss(o, t);
+}
 
 struct Result {
   double step_ms = 0;
-  double peak_mib = 0;        // all tensor memory at the peak (parameters, gradients, data included)
+  double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
   double activation_mib = 0;  // above what was alive before the step
   double bubble_measured = 0;
-  double bubble_unit = 0;      // simulator, T_F = T_B = T_W
+  double bubble_unit = 0;        // simulator, T_F = T_B = T_W
   double bubble_calibrated = 0;  // simulator, with the mean measured cost of each action kind
   int cells = 0;                 // simulator: most (micro-batch, stage) cells alive at once
   std::map<char, double> mean_ms;
@@ -69,12 +71,17 @@ struct Candidate {
 template <class Schedule>
 Candidate candidate(const std::string& name, torch::nn::Sequential& seq, int stages, Schedule s,
                     const torch::Tensor& x, const torch::Tensor& t) {
-  auto pipe = sw::Pipe(seq, sw::even_balance(seq->size(), stages), sw::PipeOptions().chunks(kChunks).checkpoint("never"));
+  auto pipe = sw::Pipe(seq, sw::even_balance(seq->size(), stages),
+                       sw::PipeOptions().chunks(kChunks).checkpoint("never"));
   Candidate c;
   c.name = name;
   c.stages = stages;
-  c.step = [pipe, s, x, t](sched::Timeline* timeline) mutable { pipe->train_step(x, t, mse, s, timeline); };
-  c.simulate = [s, stages](const sched::Costs& costs) { return sched::simulate(s, stages, kChunks, costs); };
+  c.step = [pipe, s, x, t](sched::Timeline* timeline) mutable {
+    pipe->train_step(x, t, mse, s, timeline);
+  };
+  c.simulate = [s, stages](const sched::Costs& costs) {
+    return sched::simulate(s, stages, kChunks, costs);
+  };
   return c;
 }
 
@@ -85,7 +92,8 @@ void measure(std::vector<Candidate>& cs, int rounds) {
   for (auto& c : cs) c.step(nullptr);  // warm-up: gradients exist from here on
   std::vector<std::vector<double>> ms(cs.size());
   for (int r = 0; r < rounds; ++r) {
-    for (std::size_t k = 0; k < cs.size(); ++k) ms[k].push_back(median_us([&] { cs[k].step(nullptr); }, 1, 0) / 1000.0);
+    for (std::size_t k = 0; k < cs.size(); ++k)
+      ms[k].push_back(median_us([&] { cs[k].step(nullptr); }, 1, 0) / 1000.0);
   }
   for (std::size_t k = 0; k < cs.size(); ++k) {
     auto& c = cs[k];
@@ -155,16 +163,17 @@ std::string load() {
 }
 
 void header() {
-  std::printf("  %-24s %8s %9s %8s %6s | %8s %8s %8s | %s\n", "schedule", "step ms", "peak MiB", "act MiB",
-              "cells", "sim T=1", "sim cal.", "measured", "mean ms per action");
+  std::printf("  %-24s %8s %9s %8s %6s | %8s %8s %8s | %s\n", "schedule", "step ms", "peak MiB",
+              "act MiB", "cells", "sim T=1", "sim cal.", "measured", "mean ms per action");
 }
 
 void row(const std::string& name, const Result& r) {
   std::ostringstream costs;
   costs.precision(3);
   for (const auto& [k, ms] : r.mean_ms) costs << k << "=" << ms << " ";
-  std::printf("  %-24s %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f | %s\n", name.c_str(), r.step_ms, r.peak_mib,
-              r.activation_mib, r.cells, r.bubble_unit, r.bubble_calibrated, r.bubble_measured, costs.str().c_str());
+  std::printf("  %-24s %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f | %s\n", name.c_str(), r.step_ms,
+              r.peak_mib, r.activation_mib, r.cells, r.bubble_unit, r.bubble_calibrated,
+              r.bubble_measured, costs.str().c_str());
 }
 
 }  // namespace
@@ -184,22 +193,29 @@ int main() {
   double params_mib = 0;
   for (const auto& p : seq->parameters()) params_mib += double(p.numel() * 4) / (1 << 20);
 
-  std::printf("schedules: %d x [Linear(%d,%d), ReLU], batch %d, chunks %d, checkpoint never, "
-              "1 intra-op thread per worker, medians\n",
-              kBlocks, kWidth, kWidth, kBatch, kChunks);
-  std::printf("parameters %.2f MiB (+ as much for gradients); peak = all tensor memory at the step's peak, "
-              "act = above what was alive before the step;\ncells = the simulator's most (micro-batch, stage) cells alive at once over the whole pipe\n",
-              params_mib);
-  std::printf("bubble (idle share of the workers' time): simulator with T_F = T_B = T_W, simulator with the mean "
-              "measured cost of each action kind, measured from a recorded timeline\n");
+  std::printf(
+      "schedules: %d x [Linear(%d,%d), ReLU], batch %d, chunks %d, checkpoint never, "
+      "1 intra-op thread per worker, medians\n",
+      kBlocks, kWidth, kWidth, kBatch, kChunks);
+  std::printf(
+      "parameters %.2f MiB (+ as much for gradients); peak = all tensor memory at the step's peak, "
+      "act = above what was alive before the step;\ncells = the simulator's most (micro-batch, "
+      "stage) cells alive at once over the whole pipe\n",
+      params_mib);
+  std::printf(
+      "bubble (idle share of the workers' time): simulator with T_F = T_B = T_W, simulator with "
+      "the mean "
+      "measured cost of each action kind, measured from a recorded timeline\n");
   std::printf("load average at start: %s\n", load().c_str());
   std::map<int, std::map<std::string, Result>> results;
   for (int k : {2, 4}) {
-    std::printf("K=%d workers (%d stages; interleaved: %d stages, v=2), %d rounds\n", k, k, 2 * k, kRounds);
+    std::printf("K=%d workers (%d stages; interleaved: %d stages, v=2), %d rounds\n", k, k, 2 * k,
+                kRounds);
     std::vector<Candidate> cs;
     cs.push_back(candidate("gpipe", seq, k, sched::gpipe{}, x, t));
     cs.push_back(candidate("one_f_one_b", seq, k, sched::one_f_one_b{}, x, t));
-    cs.push_back(candidate("interleaved_one_f_one_b", seq, 2 * k, sched::interleaved_one_f_one_b{2}, x, t));
+    cs.push_back(
+        candidate("interleaved_one_f_one_b", seq, 2 * k, sched::interleaved_one_f_one_b{2}, x, t));
     cs.push_back(candidate("zero_bubble_h1", seq, k, sched::zero_bubble_h1{}, x, t));
     measure(cs, kRounds);
     header();
@@ -211,17 +227,21 @@ int main() {
     std::printf("  1F1B / GPipe peak: %.3f (activations above baseline: %.3f; K/M = %.3f)\n",
                 r["one_f_one_b"].peak_mib / r["gpipe"].peak_mib,
                 r["one_f_one_b"].activation_mib / r["gpipe"].activation_mib, double(k) / kChunks);
-    std::printf("  ZB-H1 / 1F1B step time: %.3f\n", r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms);
+    std::printf("  ZB-H1 / 1F1B step time: %.3f\n",
+                r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms);
   }
   {
     const auto c = split_cost(kBlocks / 2, kBatch / kChunks, 31);
-    std::printf("split backward, one stage of %d blocks, %d rows: backward %.3f ms; I %.3f ms + W %.3f ms = %.3f ms (%.2fx)\n",
-                kBlocks / 2, kBatch / kChunks, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0]);
+    std::printf(
+        "split backward, one stage of %d blocks, %d rows: backward %.3f ms; I %.3f ms + W %.3f ms "
+        "= %.3f ms (%.2fx)\n",
+        kBlocks / 2, kBatch / kChunks, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0]);
   }
   std::printf("load average at end: %s\n", load().c_str());
   const auto& r2 = results[2];
   std::ostringstream last;
-  last << "schedules gpipe_ms=" << r2.at("gpipe").step_ms << " one_f_one_b_ms=" << r2.at("one_f_one_b").step_ms
+  last << "schedules gpipe_ms=" << r2.at("gpipe").step_ms
+       << " one_f_one_b_ms=" << r2.at("one_f_one_b").step_ms
        << " zero_bubble_ms=" << r2.at("zero_bubble_h1").step_ms
        << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib;
   std::cout << last.str() << std::endl;

@@ -24,12 +24,13 @@ namespace sched = stagewise::schedule;
 namespace {
 
 int usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "schedule_svg: %s\n"
-               "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|zero_bubble_h1\n"
-               "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
-               "                    [--title=TEXT] --out=FILE.svg\n",
-               problem.c_str());
+  std::fprintf(
+      stderr,
+      "schedule_svg: %s\n"
+      "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|zero_bubble_h1\n"
+      "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
+      "                    [--title=TEXT] --out=FILE.svg\n",
+      problem.c_str());
   return 2;
 }
 
@@ -46,11 +47,13 @@ bool parse_int(const std::string& s, int& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::map<std::string, std::string> args{{"virtual", "1"}, {"costs", "1,1,1"}, {"checkpointed", "0"}};
+  std::map<std::string, std::string> args{
+      {"virtual", "1"}, {"costs", "1,1,1"}, {"checkpointed", "0"}};
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
     const auto eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) return usage("expected --name=value, got '" + a + "'");
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos)
+      return usage("expected --name=value, got '" + a + "'");
     args[a.substr(2, eq - 2)] = a.substr(eq + 1);
   }
   for (const char* needed : {"schedule", "stages", "micro", "out"}) {
@@ -71,12 +74,14 @@ int main(int argc, char** argv) {
     std::istringstream in(args["costs"]);
     char c1 = 0;
     char c2 = 0;
-    if (!(in >> costs.forward >> c1 >> costs.input_grad >> c2 >> costs.weight_grad) || c1 != ',' || c2 != ',') {
+    if (!(in >> costs.forward >> c1 >> costs.input_grad >> c2 >> costs.weight_grad) || c1 != ',' ||
+        c2 != ',') {
       return usage("--costs must be three numbers T_F,T_B,T_W, e.g. 1,1,1");
     }
   }
   const std::string name = args["schedule"];
-  if (v != 1 && name != "interleaved_one_f_one_b") return usage("--virtual applies to interleaved_one_f_one_b only");
+  if (v != 1 && name != "interleaved_one_f_one_b")
+    return usage("--virtual applies to interleaved_one_f_one_b only");
   try {
     sched::Simulation sim;
     std::string label;
@@ -97,12 +102,14 @@ int main(int argc, char** argv) {
       return usage("unknown schedule '" + name + "'");
     }
     std::string title = args.count("title") ? args["title"]
-                                            : label + ": " + std::to_string(k) + " stages, " + std::to_string(m) +
-                                                  " micro-batches";
+                                            : label + ": " + std::to_string(k) + " stages, " +
+                                                  std::to_string(m) + " micro-batches";
     sched::write_svg(sim.timeline, args["out"], {.title = title});
-    std::printf("schedule_svg %s stages=%d micro=%d virtual=%d actions=%zu makespan=%.3f bubble=%.4f peak_in_flight=%d\n",
-                name.c_str(), k, m, v, sim.timeline.actions.size(), sim.makespan(), sim.bubble(),
-                sim.max_in_flight());
+    std::printf(
+        "schedule_svg %s stages=%d micro=%d virtual=%d actions=%zu makespan=%.3f bubble=%.4f "
+        "peak_in_flight=%d\n",
+        name.c_str(), k, m, v, sim.timeline.actions.size(), sim.makespan(), sim.bubble(),
+        sim.max_in_flight());
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "schedule_svg: %s\n", e.what_without_backtrace());
     return 1;

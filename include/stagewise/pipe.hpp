@@ -151,7 +151,8 @@ class PipeImpl : public torch::nn::Module {
     step.training = is_training();
     const int m = static_cast<int>(step.inputs.size());
     step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
-    const auto plan = schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
+    const auto plan =
+        schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (before) before(m);
     return runtime::run_programs(stages_, plan, step, timeline);
   }

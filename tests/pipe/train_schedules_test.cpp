@@ -31,19 +31,22 @@ using sw::testing::error_of;
 
 namespace {
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); }
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::mse_loss(out, target);
+}
 
 torch::nn::Sequential mlp(double dropout = 0.0) {
-  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(), torch::nn::Dropout(dropout),
-                               torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
-                               torch::nn::ReLU(), torch::nn::Linear(8, 3));
+  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(),
+                               torch::nn::Dropout(dropout), torch::nn::Linear(8, 8),
+                               torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::ReLU(),
+                               torch::nn::Linear(8, 3));
 }
 
 // Unpipelined training on the same micro-batches: every forward, then the backwards in the
 // order each stage of the pipe runs them (GPipe: M-1 .. 0; the others 0 .. M-1), so each
 // parameter's gradient sums the same terms in the same order and the result is bit for bit equal.
-torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x, const torch::Tensor& t,
-                             int64_t chunks, bool ascending) {
+torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
+                             const torch::Tensor& t, int64_t chunks, bool ascending) {
   auto xs = x.chunk(chunks);
   auto ts = t.chunk(chunks);
   std::vector<torch::Tensor> losses;
@@ -63,16 +66,19 @@ torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
 
 std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
   std::vector<torch::Tensor> out;
-  for (auto& p : m.parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  for (auto& p : m.parameters())
+    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
   return out;
 }
 
 // Trains `seq` one step with `sched` in every checkpoint mode and compares with the reference.
 template <class Schedule>
-void check_equal_to_reference(const Schedule& s, const sw::balance& b, bool ascending, double dropout = 0.0) {
+void check_equal_to_reference(const Schedule& s, const sw::balance& b, bool ascending,
+                              double dropout = 0.0) {
   for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
     const std::string mode_name = sw::to_string(mode);
-    const std::string schedule_name = typeid(Schedule).name();  // mangled, enough to tell them apart
+    const std::string schedule_name =
+        typeid(Schedule).name();  // mangled, enough to tell them apart
     CAPTURE(mode_name);
     CAPTURE(schedule_name);
     torch::manual_seed(3);
@@ -106,14 +112,19 @@ struct listed {
 
 sw::coro::generator<sched::Action> forwards_then_ascending(int stages, int micro_batches) {
   for (int s = 0; s < stages; ++s) {
-    for (int i = 0; i < micro_batches; ++i) co_yield sched::Action{s, sched::ActionKind::forward, i};
-    for (int i = 0; i < micro_batches; ++i) co_yield sched::Action{s, sched::ActionKind::backward, i};
+    for (int i = 0; i < micro_batches; ++i)
+      co_yield sched::Action{s, sched::ActionKind::forward, i};
+    for (int i = 0; i < micro_batches; ++i)
+      co_yield sched::Action{s, sched::ActionKind::backward, i};
   }
 }
 
 struct Boom : torch::autograd::Function<Boom> {
-  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
     throw std::runtime_error("backward failed");
   }
 };
@@ -132,10 +143,12 @@ TEST_SUITE("train_step schedules") {
 
   TEST_CASE("interleaved 1F1B's gradients equal unpipelined training in every checkpoint mode") {
     check_equal_to_reference(sched::interleaved_one_f_one_b{2}, sw::balance{2, 2, 2, 2}, true);
-    check_equal_to_reference(sched::interleaved_one_f_one_b{4}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
+    check_equal_to_reference(sched::interleaved_one_f_one_b{4}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1},
+                             true);
   }
 
-  TEST_CASE("zero-bubble's split I and W give gradients equal to unpipelined training in every mode") {
+  TEST_CASE(
+      "zero-bubble's split I and W give gradients equal to unpipelined training in every mode") {
     check_equal_to_reference(sched::zero_bubble_h1{}, sw::balance{3, 2, 3}, true);
     check_equal_to_reference(sched::zero_bubble_h1{}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
   }
@@ -153,11 +166,12 @@ TEST_SUITE("train_step schedules") {
       for (int i = 0; i < 3; ++i) {
         (mse(body(first(x.chunk(3)[i])), t.chunk(3)[i]) * (1.0 / 3.0)).backward();
       }
-      std::vector<torch::Tensor> expected{first->weight.grad().clone(), twice->weight.grad().clone(),
-                                          twice->bias.grad().clone()};
+      std::vector<torch::Tensor> expected{first->weight.grad().clone(),
+                                          twice->weight.grad().clone(), twice->bias.grad().clone()};
       first->zero_grad();
       twice->zero_grad();
-      auto pipe = sw::Pipe(sw::stages(first, body), sw::PipeOptions().chunks(3).checkpoint("never"));
+      auto pipe =
+          sw::Pipe(sw::stages(first, body), sw::PipeOptions().chunks(3).checkpoint("never"));
       if (split) {
         pipe->train_step(x, t, mse, sched::zero_bubble_h1{});
       } else {
@@ -183,17 +197,35 @@ TEST_SUITE("train_step schedules") {
     auto seq = mlp();
     auto pipe = sw::Pipe(seq, sw::balance{3, 5}, sw::PipeOptions().chunks(2));
     using K = sched::ActionKind;
-    listed broken{{{0, K::forward, 0}, {0, K::forward, 1}, {1, K::forward, 0}, {1, K::backward, 1},
-                   {1, K::forward, 1}, {1, K::backward, 0}, {0, K::backward, 1}, {0, K::backward, 0}}};
-    auto msg = error_of([&] { pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, broken); });
-    CHECK(contains(msg, "stagewise::schedule::verify: B1@1 (action #3) comes before F1@1 on stage 1"));
+    listed broken{{{0, K::forward, 0},
+                   {0, K::forward, 1},
+                   {1, K::forward, 0},
+                   {1, K::backward, 1},
+                   {1, K::forward, 1},
+                   {1, K::backward, 0},
+                   {0, K::backward, 1},
+                   {0, K::backward, 0}}};
+    auto msg = error_of([&] {
+      pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, broken);
+    });
+    CHECK(contains(msg,
+                   "stagewise::schedule::verify: B1@1 (action #3) comes before F1@1 on stage 1"));
     for (auto& p : seq->parameters()) CHECK_FALSE(p.grad().defined());
-    listed stuck{{{0, K::forward, 0}, {0, K::backward, 0}, {0, K::forward, 1}, {0, K::backward, 1},
-                  {1, K::forward, 0}, {1, K::forward, 1}, {1, K::backward, 0}, {1, K::backward, 1}}};
-    CHECK(contains(error_of([&] { pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, stuck); }),
+    listed stuck{{{0, K::forward, 0},
+                  {0, K::backward, 0},
+                  {0, K::forward, 1},
+                  {0, K::backward, 1},
+                  {1, K::forward, 0},
+                  {1, K::forward, 1},
+                  {1, K::backward, 0},
+                  {1, K::backward, 1}}};
+    CHECK(contains(error_of([&] {
+                     pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, stuck);
+                   }),
                    "deadlock at B0@0 (action #1)"));
     CHECK(contains(error_of([&] {
-                     pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, sched::interleaved_one_f_one_b{4});
+                     pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse,
+                                      sched::interleaved_one_f_one_b{4});
                    }),
                    "2 stages do not split into 4 virtual stages per worker"));
   }
@@ -223,9 +255,11 @@ TEST_SUITE("train_step schedules") {
 
   TEST_CASE("train_step records the real timeline as a Chrome trace with one event per action") {
     auto seq = mlp();
-    auto pipe = sw::Pipe(seq, sw::balance{2, 2, 2, 2}, sw::PipeOptions().chunks(4).checkpoint("except_last"));
+    auto pipe = sw::Pipe(seq, sw::balance{2, 2, 2, 2},
+                         sw::PipeOptions().chunks(4).checkpoint("except_last"));
     sched::Timeline timeline;
-    pipe->train_step(torch::randn({8, 6}), torch::randn({8, 3}), mse, sched::zero_bubble_h1{}, &timeline);
+    pipe->train_step(torch::randn({8, 6}), torch::randn({8, 3}), mse, sched::zero_bubble_h1{},
+                     &timeline);
     const auto plan = sched::plan(sched::zero_bubble_h1{}, 4, 4, 3);
     CHECK(timeline.actions.size() == plan.size());
     CHECK(timeline.workers == 4);
@@ -258,12 +292,16 @@ TEST_SUITE("train_step schedules") {
   }
 
   TEST_CASE("a failure in an input-gradient pass reaches the caller unchanged, and nothing hangs") {
-    auto pipe = sw::Pipe(sw::stages(torch::nn::Linear(2, 2), [](const torch::Tensor& x) { return Boom::apply(x); },
-                                    torch::nn::Linear(2, 2)),
-                         sw::PipeOptions().chunks(3));
-    CHECK_THROWS_WITH_AS(pipe->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse, sched::zero_bubble_h1{}),
-                         "backward failed", std::runtime_error);
-    CHECK_THROWS_WITH_AS(pipe->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse, sched::one_f_one_b{}),
-                         "backward failed", std::runtime_error);
+    auto pipe =
+        sw::Pipe(sw::stages(
+                     torch::nn::Linear(2, 2), [](const torch::Tensor& x) { return Boom::apply(x); },
+                     torch::nn::Linear(2, 2)),
+                 sw::PipeOptions().chunks(3));
+    CHECK_THROWS_WITH_AS(
+        pipe->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse, sched::zero_bubble_h1{}),
+        "backward failed", std::runtime_error);
+    CHECK_THROWS_WITH_AS(
+        pipe->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse, sched::one_f_one_b{}),
+        "backward failed", std::runtime_error);
   }
 }

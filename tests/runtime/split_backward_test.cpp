@@ -30,7 +30,8 @@ struct Counted : torch::autograd::Function<Counted> {
 
 // Counts how often each kind of autograd node runs.
 struct CountRuns final : torch::autograd::FunctionPreHook {
-  CountRuns(std::string name, std::map<std::string, int>* runs) : name_(std::move(name)), runs_(runs) {}
+  CountRuns(std::string name, std::map<std::string, int>* runs)
+      : name_(std::move(name)), runs_(runs) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& g) override {
     ++(*runs_)[name_];
     return g;
@@ -59,7 +60,8 @@ void count_runs(const torch::Tensor& y, std::map<std::string, int>* runs) {
 
 std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> out;
-  for (const auto& p : params) out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  for (const auto& p : params)
+    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
   return out;
 }
 
@@ -69,8 +71,9 @@ void zero(const std::vector<torch::Tensor>& params) {
 
 // Runs `f` on a fresh leaf copy of `x` twice, once with one backward and once split into I and W,
 // and checks that the input gradient and the parameters' gradients are bit for bit equal.
-void check_split_equals_full(const std::function<std::vector<torch::Tensor>(const torch::Tensor&)>& f,
-                             const torch::Tensor& x0, const std::vector<torch::Tensor>& params) {
+void check_split_equals_full(
+    const std::function<std::vector<torch::Tensor>(const torch::Tensor&)>& f,
+    const torch::Tensor& x0, const std::vector<torch::Tensor>& params) {
   zero(params);
   auto x = x0.detach().requires_grad_(x0.requires_grad());
   auto ys = f(x);
@@ -131,20 +134,24 @@ TEST_SUITE("split backward") {
     runs.clear();
     split.weight_grad();
     // Each addmm again for its weight and bias only; no ReLU: the activation gradients are reused.
-    CHECK(runs == std::map<std::string, int>{{"Addmm", 4}, {"TBackward", 4}, {"AccumulateGrad", 8}});
+    CHECK(runs ==
+          std::map<std::string, int>{{"Addmm", 4}, {"TBackward", 4}, {"AccumulateGrad", 8}});
   }
 
   TEST_CASE("without an input that needs a gradient, W does the whole backward") {
     torch::manual_seed(1);
     torch::nn::Linear a(4, 6);
     torch::nn::Linear b(6, 3);
-    auto f = [&](const torch::Tensor& x) { return std::vector<torch::Tensor>{b(torch::tanh(a(x)))}; };
+    auto f = [&](const torch::Tensor& x) {
+      return std::vector<torch::Tensor>{b(torch::tanh(a(x)))};
+    };
     auto params = a->parameters();
     for (auto& p : b->parameters()) params.push_back(p);
     check_split_equals_full(f, torch::randn({5, 4}), params);
   }
 
-  TEST_CASE("parameters behind parameter-only branches and outputs of parameters alone are covered") {
+  TEST_CASE(
+      "parameters behind parameter-only branches and outputs of parameters alone are covered") {
     torch::manual_seed(2);
     auto w = torch::randn({4}, torch::requires_grad());
     auto c = torch::randn({3}, torch::requires_grad());
@@ -182,7 +189,8 @@ TEST_SUITE("split backward") {
     auto unused = torch::randn({3}, torch::requires_grad());
     SplitBackward split;
     auto y = a(x);
-    auto dx = split.input_grad({y, torch::zeros({2})}, {torch::ones_like(y), torch::Tensor()}, {x, unused});
+    auto dx = split.input_grad({y, torch::zeros({2})}, {torch::ones_like(y), torch::Tensor()},
+                               {x, unused});
     REQUIRE(dx.size() == 2);
     CHECK(dx[0].defined());
     CHECK_FALSE(dx[1].defined());

@@ -40,13 +40,23 @@ struct listed {
   }
 };
 
-Action F(int micro, int stage) { return {stage, ActionKind::forward, micro}; }
-Action B(int micro, int stage) { return {stage, ActionKind::backward, micro}; }
-Action I(int micro, int stage) { return {stage, ActionKind::input_grad, micro}; }
-Action W(int micro, int stage) { return {stage, ActionKind::weight_grad, micro}; }
+Action F(int micro, int stage) {
+  return {stage, ActionKind::forward, micro};
+}
+Action B(int micro, int stage) {
+  return {stage, ActionKind::backward, micro};
+}
+Action I(int micro, int stage) {
+  return {stage, ActionKind::input_grad, micro};
+}
+Action W(int micro, int stage) {
+  return {stage, ActionKind::weight_grad, micro};
+}
 
 // GPipe on two stages and two micro-batches, valid; the broken cases edit it.
-std::vector<Action> valid_2x2() { return {F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 1), B(0, 1), B(1, 0), B(0, 0)}; }
+std::vector<Action> valid_2x2() {
+  return {F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 1), B(0, 1), B(1, 0), B(0, 0)};
+}
 
 std::string problem(std::vector<Action> actions, int n = 2, int m = 2) {
   return error_of([&] { sched::verify(listed{std::move(actions)}, n, m); });
@@ -79,26 +89,30 @@ TEST_SUITE("schedules") {
         CHECK_FALSE(sched::check(sched::gpipe{}, k, m));
         CHECK_FALSE(sched::check(sched::one_f_one_b{}, k, m));
         CHECK_FALSE(sched::check(sched::zero_bubble_h1{}, k, m));
-        for (int v = 1; v <= 3; ++v) CHECK_FALSE(sched::check(sched::interleaved_one_f_one_b{v}, k * v, m));
+        for (int v = 1; v <= 3; ++v)
+          CHECK_FALSE(sched::check(sched::interleaved_one_f_one_b{v}, k * v, m));
       }
     }
   }
 
   TEST_CASE("1F1B warms up K-1-s forwards, then alternates, backwards in micro-batch order") {
     auto p = sched::plan(sched::one_f_one_b{}, 3, 4);
-    CHECK(p.programs[0] == std::vector<Action>{F(0, 0), F(1, 0), F(2, 0), B(0, 0), F(3, 0), B(1, 0), B(2, 0), B(3, 0)});
-    CHECK(p.programs[2] == std::vector<Action>{F(0, 2), B(0, 2), F(1, 2), B(1, 2), F(2, 2), B(2, 2), F(3, 2), B(3, 2)});
+    CHECK(p.programs[0] == std::vector<Action>{F(0, 0), F(1, 0), F(2, 0), B(0, 0), F(3, 0), B(1, 0),
+                                               B(2, 0), B(3, 0)});
+    CHECK(p.programs[2] == std::vector<Action>{F(0, 2), B(0, 2), F(1, 2), B(1, 2), F(2, 2), B(2, 2),
+                                               F(3, 2), B(3, 2)});
   }
 
   TEST_CASE("ZB-H1 splits every backward into I then W and holds stage s's W back by s") {
     auto p = sched::plan(sched::zero_bubble_h1{}, 2, 3);
-    CHECK(p.programs[1] == std::vector<Action>{F(0, 1), I(0, 1), F(1, 1), I(1, 1), W(0, 1), F(2, 1), I(2, 1),
-                                               W(1, 1), W(2, 1)});
-    CHECK(p.programs[0] == std::vector<Action>{F(0, 0), F(1, 0), I(0, 0), W(0, 0), F(2, 0), I(1, 0), W(1, 0),
-                                               I(2, 0), W(2, 0)});
+    CHECK(p.programs[1] == std::vector<Action>{F(0, 1), I(0, 1), F(1, 1), I(1, 1), W(0, 1), F(2, 1),
+                                               I(2, 1), W(1, 1), W(2, 1)});
+    CHECK(p.programs[0] == std::vector<Action>{F(0, 0), F(1, 0), I(0, 0), W(0, 0), F(2, 0), I(1, 0),
+                                               W(1, 0), I(2, 0), W(2, 0)});
   }
 
-  TEST_CASE("interleaved puts stage k on worker k % K and runs each virtual stage's cells in order") {
+  TEST_CASE(
+      "interleaved puts stage k on worker k % K and runs each virtual stage's cells in order") {
     const sched::interleaved_one_f_one_b il{2};
     CHECK(il.workers(8) == 4);
     auto p = sched::plan(il, 8, 8);
@@ -108,14 +122,16 @@ TEST_SUITE("schedules") {
     }
     // Worker 0 starts with micro-batches 0..3 on stage 0, then the same on stage 4.
     CHECK(std::vector<Action>(p.programs[0].begin(), p.programs[0].begin() + 8) ==
-          std::vector<Action>{F(0, 0), F(1, 0), F(2, 0), F(3, 0), F(0, 4), F(1, 4), F(2, 4), F(3, 4)});
+          std::vector<Action>{F(0, 0), F(1, 0), F(2, 0), F(3, 0), F(0, 4), F(1, 4), F(2, 4),
+                              F(3, 4)});
     for (int s = 0; s < 8; ++s) {
       int next = 0;
       for (const auto& a : stage_order(p, s)) {
         if (a.kind == ActionKind::backward) CHECK(a.micro == next++);
       }
     }
-    CHECK(contains(error_of([&] { (void)il.workers(7); }), "7 stages do not split into 2 virtual stages per worker"));
+    CHECK(contains(error_of([&] { (void)il.workers(7); }),
+                   "7 stages do not split into 2 virtual stages per worker"));
     CHECK(contains(error_of([] { (void)sched::interleaved_one_f_one_b{0}.workers(4); }),
                    "virtual_stages must be at least 1"));
   }
@@ -124,8 +140,8 @@ TEST_SUITE("schedules") {
     auto p = sched::plan(sched::zero_bubble_h1{}, 2, 3, /*checkpointed=*/2);
     const Action r0{1, ActionKind::recompute, 0};
     const Action r1{1, ActionKind::recompute, 1};
-    CHECK(p.programs[1] == std::vector<Action>{F(0, 1), r0, I(0, 1), F(1, 1), r1, I(1, 1), W(0, 1), F(2, 1), I(2, 1),
-                                               W(1, 1), W(2, 1)});
+    CHECK(p.programs[1] == std::vector<Action>{F(0, 1), r0, I(0, 1), F(1, 1), r1, I(1, 1), W(0, 1),
+                                               F(2, 1), I(2, 1), W(1, 1), W(2, 1)});
     CHECK(p.size() == 2 * 3 * 3 + 4);
   }
 
@@ -148,40 +164,50 @@ TEST_SUITE("schedules") {
 }
 
 TEST_SUITE("verify") {
-  TEST_CASE("a valid list passes") { CHECK(problem(valid_2x2()) == "(no error)"); }
+  TEST_CASE("a valid list passes") {
+    CHECK(problem(valid_2x2()) == "(no error)");
+  }
 
   TEST_CASE("a backward before its forward is named") {
     auto a = valid_2x2();
     std::swap(a[2], a[4]);  // B1@1 before F0@1 and F1@1
     auto msg = problem(a);
-    CHECK(contains(msg, "stagewise::schedule::verify: B1@1 (action #2) comes before F1@1 on stage 1"));
+    CHECK(contains(msg,
+                   "stagewise::schedule::verify: B1@1 (action #2) comes before F1@1 on stage 1"));
     CHECK(contains(msg, "runs a micro-batch's forward before its backward"));
   }
 
   TEST_CASE("W before its I, W after B, and a missing W are named") {
-    CHECK(contains(problem({F(0, 0), W(0, 0), I(0, 0)}, 1, 1), "W0@0 (action #1) comes before I0@0 on stage 0"));
+    CHECK(contains(problem({F(0, 0), W(0, 0), I(0, 0)}, 1, 1),
+                   "W0@0 (action #1) comes before I0@0 on stage 0"));
     CHECK(contains(problem({F(0, 0), B(0, 0), W(0, 0)}, 1, 1),
                    "W0@0 (action #2) follows B0@0, which already computed the weight gradients"));
-    CHECK(contains(problem({F(0, 0), I(0, 0)}, 1, 1), "W0@0 never comes; I0@0 left the weight gradients"));
+    CHECK(contains(problem({F(0, 0), I(0, 0)}, 1, 1),
+                   "W0@0 never comes; I0@0 left the weight gradients"));
   }
 
   TEST_CASE("cells run twice or never are named") {
     auto twice = valid_2x2();
     twice.insert(twice.begin() + 1, F(0, 0));
-    CHECK(contains(problem(twice), "F0@0 (action #1) repeats the forward of micro-batch 0 on stage 0"));
+    CHECK(contains(problem(twice),
+                   "F0@0 (action #1) repeats the forward of micro-batch 0 on stage 0"));
     auto again = valid_2x2();
     again.push_back(I(0, 0));
-    CHECK(contains(problem(again), "I0@0 (action #8) repeats the backward of micro-batch 0 on stage 0"));
+    CHECK(contains(problem(again),
+                   "I0@0 (action #8) repeats the backward of micro-batch 0 on stage 0"));
     auto missing = valid_2x2();
     missing.pop_back();
-    CHECK(contains(problem(missing), "no backward of micro-batch 0 on stage 0; yield B0@0, or I0@0 and then W0@0"));
+    CHECK(contains(problem(missing),
+                   "no backward of micro-batch 0 on stage 0; yield B0@0, or I0@0 and then W0@0"));
     CHECK(contains(problem({F(0, 0), B(0, 0)}, 1, 2), "F1@0 never comes"));
   }
 
   TEST_CASE("actions outside the grid and yielded recomputes are rejected") {
-    CHECK(contains(problem({F(2, 0)}), "F2@0 (action #0) is outside the pipeline of 2 stages and 2 micro-batches"));
+    CHECK(contains(problem({F(2, 0)}),
+                   "F2@0 (action #0) is outside the pipeline of 2 stages and 2 micro-batches"));
     CHECK(contains(problem({F(0, -1)}), "yield stages 0..1 and micro-batches 0..1"));
-    CHECK(contains(problem({F(0, 0), Action{0, ActionKind::recompute, 0}}, 1, 1), "R0@0 (action #1) is a recompute"));
+    CHECK(contains(problem({F(0, 0), Action{0, ActionKind::recompute, 0}}, 1, 1),
+                   "R0@0 (action #1) is a recompute"));
     CHECK(contains(problem({}, 0, 2), "at least 1 stage and 1 micro-batch"));
   }
 
@@ -191,10 +217,12 @@ TEST_SUITE("verify") {
     std::vector<Action> a{F(0, 0), B(0, 0), F(1, 0), B(1, 0), F(0, 1), F(1, 1), B(0, 1), B(1, 1)};
     auto msg = problem(a);
     CHECK(contains(msg, "stagewise::schedule::verify: deadlock at B0@0 (action #1)"));
-    CHECK(contains(msg, "worker 0 waits at B0@0 for B0@1 or I0@1; worker 1 waits at F1@1 for F1@0"));
+    CHECK(
+        contains(msg, "worker 0 waits at B0@0 for B0@1 or I0@1; worker 1 waits at F1@1 for F1@0"));
     CHECK(contains(msg, "Order each worker's actions"));
     // The same actions in a workable order pass.
-    CHECK(problem({F(0, 0), F(1, 0), B(0, 0), B(1, 0), F(0, 1), F(1, 1), B(0, 1), B(1, 1)}) == "(no error)");
+    CHECK(problem({F(0, 0), F(1, 0), B(0, 0), B(1, 0), F(0, 1), F(1, 1), B(0, 1), B(1, 1)}) ==
+          "(no error)");
   }
 
   TEST_CASE("check returns the message, verify throws it, plan refuses to lay it out") {
@@ -209,7 +237,8 @@ TEST_SUITE("verify") {
 
 TEST_SUITE("simulate") {
   TEST_CASE("GPipe and 1F1B idle (K-1)/(M+K-1) of the time") {
-    for (const auto& costs : {sched::Costs{}, sched::Costs{1.0, 2.0, 0.5}, sched::Costs{1.0, 1.0, 0.0}}) {
+    for (const auto& costs :
+         {sched::Costs{}, sched::Costs{1.0, 2.0, 0.5}, sched::Costs{1.0, 1.0, 0.0}}) {
       for (int k : {1, 2, 3, 4}) {
         for (int m : {1, 2, 4, 8}) {
           CAPTURE(k);
@@ -265,7 +294,8 @@ TEST_SUITE("simulate") {
   }
 
   TEST_CASE("ZB-H1 idles (K-1)(T_F+T_B-T_W), a third of 1F1B's with equal costs, at 1F1B's peak") {
-    for (const auto& costs : {sched::Costs{}, sched::Costs{1.0, 2.0, 1.0}, sched::Costs{2.0, 1.0, 1.0}}) {
+    for (const auto& costs :
+         {sched::Costs{}, sched::Costs{1.0, 2.0, 1.0}, sched::Costs{2.0, 1.0, 1.0}}) {
       for (int k : {1, 2, 3, 4, 5}) {
         for (int m = k; m <= 3 * k; ++m) {
           CAPTURE(k);
@@ -273,7 +303,8 @@ TEST_SUITE("simulate") {
           auto z = sched::simulate(sched::zero_bubble_h1{}, k, m, costs);
           auto o = sched::simulate(sched::one_f_one_b{}, k, m, costs);
           for (int w = 0; w < k; ++w) {
-            CHECK(z.idle(w) == doctest::Approx((k - 1) * (costs.forward + costs.input_grad - costs.weight_grad)));
+            CHECK(z.idle(w) == doctest::Approx((k - 1) * (costs.forward + costs.input_grad -
+                                                          costs.weight_grad)));
           }
           CHECK(z.max_in_flight() == o.max_in_flight());
           // Every stage, not only the first, holds K: more in all when stages share one memory.
@@ -291,7 +322,9 @@ TEST_SUITE("simulate") {
     auto ckpt = sched::simulate(sched::one_f_one_b{}, 2, 4, sched::Costs{}, 4);
     CHECK(ckpt.timeline.actions.size() == plain.timeline.actions.size() + 8);
     CHECK(ckpt.makespan() > plain.makespan());
-    auto r = sched::simulate(sched::gpipe{}, 1, 2, sched::Costs{.forward = 1, .input_grad = 1, .weight_grad = 1, .recompute = 5}, 2);
+    auto r = sched::simulate(
+        sched::gpipe{}, 1, 2,
+        sched::Costs{.forward = 1, .input_grad = 1, .weight_grad = 1, .recompute = 5}, 2);
     CHECK(r.makespan() == doctest::Approx(2 * 1 + 2 * (5 + 2)));
   }
 
@@ -308,7 +341,8 @@ TEST_SUITE("simulate") {
         last = a.end;
       }
     }
-    CHECK(contains(error_of([] { (void)sched::simulate(sched::gpipe{}, 2, 2, sched::Costs{.forward = -1}); }),
-                   "the cost of F is -1; give costs of 0 or more"));
+    CHECK(contains(
+        error_of([] { (void)sched::simulate(sched::gpipe{}, 2, 2, sched::Costs{.forward = -1}); }),
+        "the cost of F is -1; give costs of 0 or more"));
   }
 }

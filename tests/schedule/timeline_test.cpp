@@ -1,10 +1,10 @@
+#include "stagewise/schedule/timeline.hpp"
 #include "stagewise/schedule/chrome_trace.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
-#include "stagewise/schedule/timeline.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
 
 #include "tests/support/errors.hpp"
@@ -96,9 +96,13 @@ TEST_SUITE("chrome trace") {
     CHECK(json.rfind("{\"traceEvents\":[", 0) == 0);
     CHECK(count(json, "\"ph\":\"X\"") == sim.timeline.actions.size());
     CHECK(count(json, "\"ph\":\"M\"") == 2);
-    CHECK(contains(json, "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":1,\"args\":{\"name\":\"worker 1\"}}"));
-    CHECK(contains(json, "{\"name\":\"F0\",\"cat\":\"forward\",\"ph\":\"X\",\"pid\":0,\"tid\":0,\"ts\":0.000,"
-                         "\"dur\":1000.000,\"args\":{\"stage\":0,\"micro\":0}}"));
+    CHECK(contains(json,
+                   "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":1,\"args\":{\"name\":"
+                   "\"worker 1\"}}"));
+    CHECK(contains(
+        json,
+        "{\"name\":\"F0\",\"cat\":\"forward\",\"ph\":\"X\",\"pid\":0,\"tid\":0,\"ts\":0.000,"
+        "\"dur\":1000.000,\"args\":{\"stage\":0,\"micro\":0}}"));
     CHECK_FALSE(valid_json(json.substr(0, json.size() - 3)));
   }
 
@@ -108,7 +112,8 @@ TEST_SUITE("chrome trace") {
     sched::write_chrome_trace(sim.timeline, path);
     CHECK(valid_json(read(path)));
     std::remove(path.c_str());
-    CHECK(contains(error_of([&] { sched::write_chrome_trace(sim.timeline, "/no/such/dir/t.json"); }),
-                   "stagewise::schedule::write_chrome_trace: cannot open"));
+    CHECK(
+        contains(error_of([&] { sched::write_chrome_trace(sim.timeline, "/no/such/dir/t.json"); }),
+                 "stagewise::schedule::write_chrome_trace: cannot open"));
   }
 }

@@ -75,8 +75,8 @@ struct Json {
   bool number() {
     const std::size_t start = p;
     if (p < s.size() && s[p] == '-') ++p;
-    while (p < s.size() && (std::isdigit(static_cast<unsigned char>(s[p])) || s[p] == '.' || s[p] == 'e' ||
-                            s[p] == 'E' || s[p] == '+' || s[p] == '-')) {
+    while (p < s.size() && (std::isdigit(static_cast<unsigned char>(s[p])) || s[p] == '.' ||
+                            s[p] == 'e' || s[p] == 'E' || s[p] == '+' || s[p] == '-')) {
       ++p;
     }
     return p > start;
@@ -86,13 +86,26 @@ struct Json {
     if (p >= s.size()) return false;
     bool ok = false;
     switch (s[p]) {
-      case '{': ok = members('}', true); break;
-      case '[': ok = members(']', false); break;
-      case '"': ok = string(); break;
-      case 't': ok = literal("true"); break;
-      case 'f': ok = literal("false"); break;
-      case 'n': ok = literal("null"); break;
-      default: ok = number();
+      case '{':
+        ok = members('}', true);
+        break;
+      case '[':
+        ok = members(']', false);
+        break;
+      case '"':
+        ok = string();
+        break;
+      case 't':
+        ok = literal("true");
+        break;
+      case 'f':
+        ok = literal("false");
+        break;
+      case 'n':
+        ok = literal("null");
+        break;
+      default:
+        ok = number();
     }
     space();
     return ok;

@@ -44,7 +44,9 @@ class Mailboxes {
   void post_gradient(int stage, int micro, std::vector<torch::Tensor> g) {
     post(stage, [&] { grads_[index(stage, micro)].emplace(std::move(g)); });
   }
-  std::optional<Batch> take_activation(int stage, int micro) { return take(stage, acts_[index(stage, micro)]); }
+  std::optional<Batch> take_activation(int stage, int micro) {
+    return take(stage, acts_[index(stage, micro)]);
+  }
   std::optional<std::vector<torch::Tensor>> take_gradient(int stage, int micro) {
     return take(stage, grads_[index(stage, micro)]);
   }
@@ -60,7 +62,9 @@ class Mailboxes {
   std::exception_ptr error() const { return error_; }  // read after every worker finished
 
  private:
-  std::size_t index(int stage, int micro) const { return static_cast<std::size_t>(stage) * m_ + micro; }
+  std::size_t index(int stage, int micro) const {
+    return static_cast<std::size_t>(stage) * m_ + micro;
+  }
 
   template <class F>
   void post(int stage, F&& put) {
@@ -94,7 +98,7 @@ struct Aborted {};  // thrown inside a worker when another one failed
 
 // What one stage keeps for one micro-batch between its forward and its backward.
 struct CellMemory {
-  std::vector<torch::Tensor> leaves;   // the inputs, as leaves of this stage's graph
+  std::vector<torch::Tensor> leaves;  // the inputs, as leaves of this stage's graph
   bool input_atomic = true;
   std::vector<torch::Tensor> outputs;  // with their graph (empty while checkpointed)
   torch::Tensor loss;                  // last stage only
@@ -110,7 +114,7 @@ struct TrainStep {
   std::vector<Batch> targets;
   std::vector<double> weights;  // each micro-batch's share of the loss
   loss_fn_t loss_fn;
-  int64_t stop = 0;             // micro-batches below it are checkpointed
+  int64_t stop = 0;  // micro-batches below it are checkpointed
   bool training = true;
   std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
 };
@@ -159,7 +163,8 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
 }
 
 // R: re-runs a checkpointed cell with grad enabled and its forward's random numbers.
-inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& step, CellMemory& cell) {
+inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& step,
+                           CellMemory& cell) {
   stage.rng.run(step.training, [&] {
     // A stage known to draw nothing runs without the lock, and rewinding the process-wide
     // generator there would disturb a drawing stage running at the same time; it needs no
@@ -198,8 +203,9 @@ inline void backward_roots(const CellMemory& cell, bool last, const std::vector<
 /// gradients and keeps the rest for W, which accumulates the weight gradients. A worker may run
 /// several stages (interleaved schedules). Appends each action's times to `record` if given.
 /// Returns the summed loss of the micro-batches whose last stage ran here.
-inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages, const schedule::Plan& plan,
-                                 int w, TrainStep& step, detail::Mailboxes& mail,
+inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                                 const schedule::Plan& plan, int w, TrainStep& step,
+                                 detail::Mailboxes& mail,
                                  std::vector<schedule::TimedAction>* record) {
   using schedule::ActionKind;
   const int n = plan.stages;
@@ -207,7 +213,8 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
   std::vector<std::vector<detail::CellMemory>> cells(static_cast<std::size_t>(n));
   torch::Tensor total;
   auto now = [&] {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - step.start).count();
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - step.start)
+        .count();
   };
 
   for (const auto& a : plan.programs[static_cast<std::size_t>(w)]) {
@@ -228,7 +235,8 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
     std::optional<Batch> received;
     std::optional<std::vector<torch::Tensor>> grad;
     if (a.kind == ActionKind::forward) {
-      received = j == 0 ? std::optional<Batch>(step.inputs[static_cast<std::size_t>(i)]) : mail.take_activation(j, i);
+      received = j == 0 ? std::optional<Batch>(step.inputs[static_cast<std::size_t>(i)])
+                        : mail.take_activation(j, i);
       if (!received) throw detail::Aborted{};
     }
     if ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !last) {
@@ -238,7 +246,8 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
     const double start = record ? now() : 0.0;
     switch (a.kind) {
       case ActionKind::forward: {
-        Batch x = j == 0 ? *received : stage.receive(*received, *stages[static_cast<std::size_t>(j - 1)], i);
+        Batch x = j == 0 ? *received
+                         : stage.receive(*received, *stages[static_cast<std::size_t>(j - 1)], i);
         Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
         if (!last) {
           std::vector<torch::Tensor> sent;
@@ -247,7 +256,9 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
         }
         break;
       }
-      case ActionKind::recompute: detail::recompute_cell(stage, i, last, step, cell); break;
+      case ActionKind::recompute:
+        detail::recompute_cell(stage, i, last, step, cell);
+        break;
       case ActionKind::backward: {
         std::vector<torch::Tensor> outs;
         std::vector<torch::Tensor> grads;
@@ -289,10 +300,12 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
 /// the summed, weighted loss. A failure in any stage stops all of them; the first exception is
 /// rethrown unchanged. If `timeline` is given, it receives every action's start and end, in
 /// microseconds from the start of the step.
-inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages, const schedule::Plan& plan,
-                                  TrainStep& step, schedule::Timeline* timeline = nullptr) {
-  TORCH_CHECK(plan.stages == static_cast<int>(stages.size()), "stagewise::train_step: the plan has ",
-              plan.stages, " stages but the pipe ", stages.size(), "; plan for the pipe's stages");
+inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                                  const schedule::Plan& plan, TrainStep& step,
+                                  schedule::Timeline* timeline = nullptr) {
+  TORCH_CHECK(plan.stages == static_cast<int>(stages.size()),
+              "stagewise::train_step: the plan has ", plan.stages, " stages but the pipe ",
+              stages.size(), "; plan for the pipe's stages");
   const int workers = plan.workers;
   detail::Mailboxes mail(plan.stages, plan.micro_batches);
   const at::ThreadLocalState state;
@@ -307,7 +320,8 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
     stages[static_cast<std::size_t>(w)]->worker.post([&, w] {
       try {
         at::ThreadLocalStateGuard guard(state);
-        auto total = run_program(stages, plan, w, step, mail, timeline ? &records[static_cast<std::size_t>(w)] : nullptr);
+        auto total = run_program(stages, plan, w, step, mail,
+                                 timeline ? &records[static_cast<std::size_t>(w)] : nullptr);
         if (w == last_worker) loss = total;
       } catch (const detail::Aborted&) {
         // another stage failed first; its exception is the one reported
@@ -329,7 +343,9 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
     timeline->actions.clear();
     for (auto& r : records) timeline->actions.insert(timeline->actions.end(), r.begin(), r.end());
     std::stable_sort(timeline->actions.begin(), timeline->actions.end(),
-                     [](const schedule::TimedAction& x, const schedule::TimedAction& y) { return x.start < y.start; });
+                     [](const schedule::TimedAction& x, const schedule::TimedAction& y) {
+                       return x.start < y.start;
+                     });
   }
   return loss;
 }

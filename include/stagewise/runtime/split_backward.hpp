@@ -71,7 +71,8 @@ class SplitBackward {
   /// I: the gradients of `inputs` (undefined where an input gets none) for `outputs` with
   /// gradients `grads`; keeps what `weight_grad` needs. Outputs that do not require grad or get
   /// an undefined gradient are skipped.
-  std::vector<torch::Tensor> input_grad(std::vector<torch::Tensor> outputs, std::vector<torch::Tensor> grads,
+  std::vector<torch::Tensor> input_grad(std::vector<torch::Tensor> outputs,
+                                        std::vector<torch::Tensor> grads,
                                         const std::vector<torch::Tensor>& inputs) {
     for (std::size_t k = 0; k < outputs.size() && k < grads.size(); ++k) {
       if (outputs[k].requires_grad() && grads[k].defined()) {
@@ -119,7 +120,8 @@ class SplitBackward {
     }
     if (!roots.empty()) {
       torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
-                                                            /*create_graph=*/false, /*accumulate_grad=*/true);
+                                                            /*create_graph=*/false,
+                                                            /*accumulate_grad=*/true);
     }
     *this = SplitBackward{};
   }
@@ -131,9 +133,9 @@ class SplitBackward {
   struct Info {
     std::shared_ptr<Node> node;
     std::vector<std::size_t> children;
-    int leaf = 0;                  // 1: accumulator of an input, 2: of a parameter
-    bool reaches_input = false;    // run by the input-gradient pass
-    bool reaches_weight = false;   // a parameter's accumulator lies below
+    int leaf = 0;                 // 1: accumulator of an input, 2: of a parameter
+    bool reaches_input = false;   // run by the input-gradient pass
+    bool reaches_weight = false;  // a parameter's accumulator lies below
   };
 
   void analyse(const std::vector<torch::Tensor>& inputs) {
@@ -217,13 +219,16 @@ class SplitBackward {
     for (const auto& info : nodes) {
       if (!info.reaches_input || info.leaf != 0 || info.node->num_inputs() == 0) continue;
       bool branches = false;
-      for (std::size_t c : info.children) branches = branches || (!nodes[c].reaches_input && nodes[c].reaches_weight);
+      for (std::size_t c : info.children)
+        branches = branches || (!nodes[c].reaches_input && nodes[c].reaches_weight);
       if (!branches) continue;
       detail::WeightPart part;
       for (uint32_t k = 0; k < info.node->num_inputs(); ++k) part.roots.emplace_back(info.node, k);
       const auto& edges = info.node->next_edges();
       for (std::size_t e = 0; e < edges.size(); ++e) {
-        if (edges[e].is_valid() && nodes[index.at(edges[e].function.get())].reaches_input) part.cut.push_back(e);
+        if (edges[e].is_valid() && nodes[index.at(edges[e].function.get())].reaches_input) {
+          part.cut.push_back(e);
+        }
       }
       part.captured = std::make_shared<detail::CapturedGrads>();
       part.captured->armed = true;

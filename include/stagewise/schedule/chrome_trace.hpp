@@ -15,11 +15,16 @@ namespace detail {
 
 inline const char* trace_category(ActionKind k) {
   switch (k) {
-    case ActionKind::forward: return "forward";
-    case ActionKind::backward: return "backward";
-    case ActionKind::input_grad: return "input_grad";
-    case ActionKind::weight_grad: return "weight_grad";
-    case ActionKind::recompute: return "recompute";
+    case ActionKind::forward:
+      return "forward";
+    case ActionKind::backward:
+      return "backward";
+    case ActionKind::input_grad:
+      return "input_grad";
+    case ActionKind::weight_grad:
+      return "weight_grad";
+    case ActionKind::recompute:
+      return "recompute";
   }
   return "other";
 }
@@ -48,13 +53,15 @@ inline std::string to_chrome_trace(const Timeline& t, double us_per_unit = 1.0) 
   };
   for (int w = 0; w < t.workers; ++w) {
     add("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" + std::to_string(w) +
-        ",\"args\":{\"name\":\"" + (interleaved ? "worker " : "stage ") + std::to_string(w) + "\"}}");
+        ",\"args\":{\"name\":\"" + (interleaved ? "worker " : "stage ") + std::to_string(w) +
+        "\"}}");
   }
   const double t0 = t.begin();
   for (const auto& a : t.actions) {
-    add("{\"name\":\"" + std::string(1, static_cast<char>(a.action.kind)) + std::to_string(a.action.micro) +
-        "\",\"cat\":\"" + detail::trace_category(a.action.kind) + "\",\"ph\":\"X\",\"pid\":0,\"tid\":" +
-        std::to_string(a.worker) + ",\"ts\":" + number((a.start - t0) * us_per_unit) +
+    add("{\"name\":\"" + std::string(1, static_cast<char>(a.action.kind)) +
+        std::to_string(a.action.micro) + "\",\"cat\":\"" + detail::trace_category(a.action.kind) +
+        "\",\"ph\":\"X\",\"pid\":0,\"tid\":" + std::to_string(a.worker) +
+        ",\"ts\":" + number((a.start - t0) * us_per_unit) +
         ",\"dur\":" + number((a.end - a.start) * us_per_unit) + ",\"args\":{\"stage\":" +
         std::to_string(a.action.stage) + ",\"micro\":" + std::to_string(a.action.micro) + "}}");
   }
@@ -63,7 +70,8 @@ inline std::string to_chrome_trace(const Timeline& t, double us_per_unit = 1.0) 
 }
 
 /// Writes `to_chrome_trace(t, us_per_unit)` to `path`.
-inline void write_chrome_trace(const Timeline& t, const std::string& path, double us_per_unit = 1.0) {
+inline void write_chrome_trace(const Timeline& t, const std::string& path,
+                               double us_per_unit = 1.0) {
   std::ofstream out(path);
   TORCH_CHECK(out, "stagewise::schedule::write_chrome_trace: cannot open '", path,
               "' for writing; give a path in a directory that exists and is writable");

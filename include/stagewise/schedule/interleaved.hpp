@@ -25,13 +25,15 @@ struct interleaved_one_f_one_b {
 
   /// Number of workers for `stages` stages: stages / v.
   int workers(int stages) const {
-    TORCH_CHECK(virtual_stages >= 1, "stagewise::schedule::interleaved_one_f_one_b: virtual_stages ",
+    TORCH_CHECK(virtual_stages >= 1,
+                "stagewise::schedule::interleaved_one_f_one_b: virtual_stages ",
                 "must be at least 1, got ", virtual_stages, "; use 1 for plain 1F1B");
-    TORCH_CHECK(stages % virtual_stages == 0, "stagewise::schedule::interleaved_one_f_one_b: ",
-                stages, " stages do not split into ", virtual_stages,
-                " virtual stages per worker; give the pipe a multiple of ", virtual_stages,
-                " stages (e.g. a balance with ", virtual_stages * std::max(1, stages / virtual_stages),
-                " entries), or change virtual_stages");
+    TORCH_CHECK(
+        stages % virtual_stages == 0, "stagewise::schedule::interleaved_one_f_one_b: ", stages,
+        " stages do not split into ", virtual_stages,
+        " virtual stages per worker; give the pipe a multiple of ", virtual_stages,
+        " stages (e.g. a balance with ", virtual_stages * std::max(1, stages / virtual_stages),
+        " entries), or change virtual_stages");
     return stages / virtual_stages;
   }
 

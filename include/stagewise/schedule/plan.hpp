@@ -40,13 +40,16 @@ Plan plan(const S& sched, int stages, int micro_batches, int checkpointed = 0) {
   const auto actions = detail::collect(sched, stages, micro_batches);
   const auto problem = detail::first_problem(actions, stages, micro_batches, workers);
   TORCH_CHECK(!problem, "stagewise::schedule::verify: ", problem.value_or(""));
-  Plan p{stages, micro_batches, workers, std::vector<std::vector<Action>>(static_cast<std::size_t>(workers))};
-  std::vector<char> recomputed(static_cast<std::size_t>(stages) * static_cast<std::size_t>(micro_batches), 0);
+  Plan p{stages, micro_batches, workers,
+         std::vector<std::vector<Action>>(static_cast<std::size_t>(workers))};
+  std::vector<char> recomputed(
+      static_cast<std::size_t>(stages) * static_cast<std::size_t>(micro_batches), 0);
   for (const auto& a : actions) {
     auto& program = p.programs[static_cast<std::size_t>(p.worker_of(a.stage))];
     const bool needs_graph = a.kind == ActionKind::backward || a.kind == ActionKind::input_grad;
-    auto& done = recomputed[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(micro_batches) +
-                            static_cast<std::size_t>(a.micro)];
+    auto& done =
+        recomputed[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(micro_batches) +
+                   static_cast<std::size_t>(a.micro)];
     if (needs_graph && a.micro < checkpointed && !done) {
       // The worker runs R as soon as its previous action is done, so the recompute overlaps with
       // the later stages' backward instead of waiting for the gradient.

@@ -29,7 +29,11 @@ struct Replay {
 class Dependencies {
  public:
   Dependencies(int stages, int micro_batches)
-      : n_(stages), m_(micro_batches), forward_(cells(), -1.0), grad_(cells(), -1.0), input_(cells(), -1.0) {}
+      : n_(stages),
+        m_(micro_batches),
+        forward_(cells(), -1.0),
+        grad_(cells(), -1.0),
+        input_(cells(), -1.0) {}
 
   // When `a` may start as far as its inputs go, or nothing if one has not ended.
   std::optional<double> ready(const Action& a) const {
@@ -62,13 +66,18 @@ class Dependencies {
   void finish(const Action& a, double end) {
     const auto k = index(a.stage, a.micro);
     switch (a.kind) {
-      case ActionKind::forward: forward_[k] = end; break;
-      case ActionKind::backward: grad_[k] = end; break;
+      case ActionKind::forward:
+        forward_[k] = end;
+        break;
+      case ActionKind::backward:
+        grad_[k] = end;
+        break;
       case ActionKind::input_grad:
         grad_[k] = end;
         input_[k] = end;
         break;
-      default: break;
+      default:
+        break;
     }
   }
 
@@ -76,13 +85,17 @@ class Dependencies {
   std::string needs(const Action& a) const {
     auto name = [&](ActionKind k, int stage) { return to_string(Action{stage, k, a.micro}); };
     switch (a.kind) {
-      case ActionKind::forward: return name(ActionKind::forward, a.stage - 1);
+      case ActionKind::forward:
+        return name(ActionKind::forward, a.stage - 1);
       case ActionKind::backward:
       case ActionKind::input_grad:
         if (forward_[index(a.stage, a.micro)] < 0.0) return name(ActionKind::forward, a.stage);
-        return name(ActionKind::backward, a.stage + 1) + " or " + name(ActionKind::input_grad, a.stage + 1);
-      case ActionKind::weight_grad: return name(ActionKind::input_grad, a.stage);
-      case ActionKind::recompute: return name(ActionKind::forward, a.stage);
+        return name(ActionKind::backward, a.stage + 1) + " or " +
+               name(ActionKind::input_grad, a.stage + 1);
+      case ActionKind::weight_grad:
+        return name(ActionKind::input_grad, a.stage);
+      case ActionKind::recompute:
+        return name(ActionKind::forward, a.stage);
     }
     return "?";
   }
@@ -90,7 +103,8 @@ class Dependencies {
  private:
   std::size_t cells() const { return static_cast<std::size_t>(n_) * static_cast<std::size_t>(m_); }
   std::size_t index(int stage, int micro) const {
-    return static_cast<std::size_t>(stage) * static_cast<std::size_t>(m_) + static_cast<std::size_t>(micro);
+    return static_cast<std::size_t>(stage) * static_cast<std::size_t>(m_) +
+           static_cast<std::size_t>(micro);
   }
 
   int n_;

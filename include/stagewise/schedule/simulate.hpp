@@ -30,11 +30,16 @@ struct Costs {
   /// The cost of one action of kind `k`.
   double of(ActionKind k) const {
     switch (k) {
-      case ActionKind::forward: return forward;
-      case ActionKind::backward: return input_grad + weight_grad;
-      case ActionKind::input_grad: return input_grad;
-      case ActionKind::weight_grad: return weight_grad;
-      case ActionKind::recompute: return recompute < 0.0 ? forward : recompute;
+      case ActionKind::forward:
+        return forward;
+      case ActionKind::backward:
+        return input_grad + weight_grad;
+      case ActionKind::input_grad:
+        return input_grad;
+      case ActionKind::weight_grad:
+        return weight_grad;
+      case ActionKind::recompute:
+        return recompute < 0.0 ? forward : recompute;
     }
     return 0.0;
   }
@@ -60,7 +65,8 @@ struct Simulation {
   double bubble() const { return timeline.bubble(); }
   /// The largest of `peak_in_flight`.
   int max_in_flight() const {
-    return peak_in_flight.empty() ? 0 : *std::max_element(peak_in_flight.begin(), peak_in_flight.end());
+    return peak_in_flight.empty() ? 0
+                                  : *std::max_element(peak_in_flight.begin(), peak_in_flight.end());
   }
 };
 
@@ -68,14 +74,17 @@ struct Simulation {
 /// its worker is free and its inputs exist (the activation from the previous stage, the gradient
 /// from the next), taking `costs.of(kind)`; messages take no time.
 inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
-  for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad, ActionKind::recompute}) {
+  for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad,
+                 ActionKind::recompute}) {
     TORCH_CHECK(costs.of(k) >= 0.0, "stagewise::schedule::simulate: the cost of ",
-                std::string(1, static_cast<char>(k)), " is ", costs.of(k), "; give costs of 0 or more");
+                std::string(1, static_cast<char>(k)), " is ", costs.of(k),
+                "; give costs of 0 or more");
   }
   detail::Dependencies deps(plan.stages, plan.micro_batches);
   auto r = detail::replay(plan.programs, deps, [&](const Action& a) { return costs.of(a.kind); });
-  TORCH_CHECK(r.complete, "stagewise::schedule::simulate: the plan deadlocks; build it with "
-                          "stagewise::schedule::plan, which verifies the schedule");
+  TORCH_CHECK(r.complete,
+              "stagewise::schedule::simulate: the plan deadlocks; build it with "
+              "stagewise::schedule::plan, which verifies the schedule");
   Simulation sim;
   sim.timeline.stages = plan.stages;
   sim.timeline.micro_batches = plan.micro_batches;
@@ -107,7 +116,9 @@ inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
   std::vector<std::pair<double, int>> events;
   for (const auto& t : sim.timeline.actions) {
     if (t.action.kind == ActionKind::forward) events.emplace_back(t.start, 1);
-    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) events.emplace_back(t.end, -1);
+    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) {
+      events.emplace_back(t.end, -1);
+    }
   }
   std::sort(events.begin(), events.end());  // at equal times, ends (-1) before starts
   int alive = 0;

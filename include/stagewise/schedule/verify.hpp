@@ -25,7 +25,8 @@ inline bool known_kind(ActionKind k) {
     case ActionKind::backward:
     case ActionKind::input_grad:
     case ActionKind::weight_grad:
-    case ActionKind::recompute: return true;
+    case ActionKind::recompute:
+      return true;
   }
   return false;
 }
@@ -51,7 +52,8 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
   for (std::size_t p = 0; p < actions.size(); ++p) {
     const Action& a = actions[p];
     if (!known_kind(a.kind)) {
-      return "action #" + std::to_string(p) + " has the unknown kind '" + std::string(1, static_cast<char>(a.kind)) +
+      return "action #" + std::to_string(p) + " has the unknown kind '" +
+             std::string(1, static_cast<char>(a.kind)) +
              "'; yield ActionKind::forward, backward, input_grad or weight_grad";
     }
     if (a.stage < 0 || a.stage >= n || a.micro < 0 || a.micro >= m) {
@@ -60,14 +62,19 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
              " and micro-batches 0.." + std::to_string(m - 1);
     }
     if (a.kind == ActionKind::recompute) {
-      return at(a, p) + " is a recompute; a schedule yields only F, B, I and W (stagewise inserts R "
-                        "before the first backward of each checkpointed micro-batch)";
+      return at(a, p) +
+             " is a recompute; a schedule yields only F, B, I and W (stagewise inserts R "
+             "before the first backward of each checkpointed micro-batch)";
     }
-    auto& cell = seen[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) + static_cast<std::size_t>(a.micro)];
+    auto& cell = seen[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
+                      static_cast<std::size_t>(a.micro)];
     const std::string where = " on stage " + std::to_string(a.stage);
     switch (a.kind) {
       case ActionKind::forward:
-        if (cell & f) return at(a, p) + " repeats the forward of micro-batch " + std::to_string(a.micro) + where + "; every cell runs forward exactly once";
+        if (cell & f) {
+          return at(a, p) + " repeats the forward of micro-batch " + std::to_string(a.micro) +
+                 where + "; every cell runs forward exactly once";
+        }
         cell |= f;
         break;
       case ActionKind::backward:
@@ -77,8 +84,8 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
                  "; a stage runs a micro-batch's forward before its backward (B or I)";
         }
         if (cell & (b | i)) {
-          return at(a, p) + " repeats the backward of micro-batch " + std::to_string(a.micro) + where +
-                 "; give each cell one B, or one I followed by one W";
+          return at(a, p) + " repeats the backward of micro-batch " + std::to_string(a.micro) +
+                 where + "; give each cell one B, or one I followed by one W";
         }
         cell |= a.kind == ActionKind::backward ? b : i;
         break;
@@ -89,27 +96,38 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
                  "followed by one W";
         }
         if (!(cell & i)) {
-          return at(a, p) + " comes before " + name(ActionKind::input_grad, a.stage, a.micro) + where +
-                 "; W uses what I kept, so yield " + name(ActionKind::input_grad, a.stage, a.micro) + " first";
+          return at(a, p) + " comes before " + name(ActionKind::input_grad, a.stage, a.micro) +
+                 where + "; W uses what I kept, so yield " +
+                 name(ActionKind::input_grad, a.stage, a.micro) + " first";
         }
-        if (cell & w) return at(a, p) + " repeats the weight gradient of micro-batch " + std::to_string(a.micro) + where + "; give each cell one W after its I";
+        if (cell & w) {
+          return at(a, p) + " repeats the weight gradient of micro-batch " +
+                 std::to_string(a.micro) + where + "; give each cell one W after its I";
+        }
         cell |= w;
         break;
-      default: break;
+      default:
+        break;
     }
   }
   for (int s = 0; s < n; ++s) {
     for (int k = 0; k < m; ++k) {
-      const unsigned cell = seen[static_cast<std::size_t>(s) * static_cast<std::size_t>(m) + static_cast<std::size_t>(k)];
-      if (!(cell & f)) return name(ActionKind::forward, s, k) + " never comes; every micro-batch runs forward on every stage";
+      const unsigned cell = seen[static_cast<std::size_t>(s) * static_cast<std::size_t>(m) +
+                                 static_cast<std::size_t>(k)];
+      if (!(cell & f)) {
+        return name(ActionKind::forward, s, k) +
+               " never comes; every micro-batch runs forward on every stage";
+      }
       if (!(cell & (b | i))) {
-        return "no backward of micro-batch " + std::to_string(k) + " on stage " + std::to_string(s) + "; yield " +
-               name(ActionKind::backward, s, k) + ", or " + name(ActionKind::input_grad, s, k) + " and then " +
+        return "no backward of micro-batch " + std::to_string(k) + " on stage " +
+               std::to_string(s) + "; yield " + name(ActionKind::backward, s, k) + ", or " +
+               name(ActionKind::input_grad, s, k) + " and then " +
                name(ActionKind::weight_grad, s, k);
       }
       if ((cell & i) && !(cell & w)) {
-        return name(ActionKind::weight_grad, s, k) + " never comes; " + name(ActionKind::input_grad, s, k) +
-               " left the weight gradients of micro-batch " + std::to_string(k) + " on stage " + std::to_string(s) + " to a W";
+        return name(ActionKind::weight_grad, s, k) + " never comes; " +
+               name(ActionKind::input_grad, s, k) + " left the weight gradients of micro-batch " +
+               std::to_string(k) + " on stage " + std::to_string(s) + " to a W";
       }
     }
   }
@@ -130,8 +148,8 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
     if (r.next[wk] >= programs[wk].size()) continue;
     const Action& a = programs[wk][r.next[wk]];
     first = std::min(first, positions[wk][r.next[wk]]);
-    stuck += (stuck.empty() ? "" : "; ") + std::string("worker ") + std::to_string(wk) + " waits at " +
-             to_string(a) + " for " + deps.needs(a);
+    stuck += (stuck.empty() ? "" : "; ") + std::string("worker ") + std::to_string(wk) +
+             " waits at " + to_string(a) + " for " + deps.needs(a);
   }
   return "deadlock at " + at(actions[first], first) + ": after " + std::to_string(r.timed.size()) +
          " actions no worker can go on (" + stuck +

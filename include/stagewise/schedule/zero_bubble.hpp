@@ -27,7 +27,8 @@ struct zero_bubble_h1 {
         // W of micro-batch i - s: the later stages' I passes are not held up by this one's W.
         if (i - weights >= s) co_yield Action{s, ActionKind::weight_grad, weights++};
       }
-      for (; weights < micro_batches; ++weights) co_yield Action{s, ActionKind::weight_grad, weights};
+      for (; weights < micro_batches; ++weights)
+        co_yield Action{s, ActionKind::weight_grad, weights};
     }
   }
 };
