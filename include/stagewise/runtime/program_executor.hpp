@@ -6,6 +6,7 @@
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/action.hpp"
+#include "stagewise/skip/train_skips.hpp"
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
@@ -131,6 +132,7 @@ struct TrainStep {
   loss_fn_t loss_fn;
   int64_t stop = 0;             // micro-batches below it are checkpointed
   bool training = true;
+  std::shared_ptr<::stagewise::detail::TrainSkips> skips;  // skip connections; null: none
 };
 
 /// Runs one stage's program on its worker thread (called inside the worker).
@@ -152,8 +154,12 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
     stream_guard.emplace(stage.compute);
   }
 
+  auto* skips = step.skips.get();
   auto forward = [&](detail::CellMemory& cell, int i) {
-    Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    auto call = [&] {
+      return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    };
+    Batch out = skips ? skips->run(j, i, call) : call();
     if (last) {
       TORCH_CHECK(out.atomic() && step.targets[i].atomic(),
                   "stagewise::train_step: the last stage must return one Tensor and the target "
@@ -176,6 +182,7 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
           const bool grad = j > 0 && (t.is_floating_point() || t.is_complex());
           cell.leaves.push_back(t.detach().requires_grad_(grad));
         }
+        if (skips && !skips->receive(stages, j, i)) throw detail::Aborted{};
         std::optional<Batch> out;
         if (i < step.stop) {
           auto body = [&] {
@@ -190,6 +197,7 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
         } else {
           out.emplace(forward(cell, i));
         }
+        if (skips) skips->send(j, i);
         if (last) {
           auto value = cell.loss.detach();
           total = total.defined() ? total + value : value;
@@ -225,8 +233,10 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
               grads.push_back((*g)[k]);
             }
           }
+          if (skips && !skips->add_roots(j, i, outs, grads)) throw detail::Aborted{};
           if (!outs.empty()) torch::autograd::backward(outs, grads);
         }
+        if (skips) skips->send_grads(j, i);
         if (j > 0) {
           std::vector<torch::Tensor> input_grads;
           for (auto& leaf : cell.leaves) input_grads.push_back(leaf.grad());
@@ -265,6 +275,7 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
         // another stage failed first; its exception is the one reported
       } catch (...) {
         mail.abort(std::current_exception());
+        if (step.skips) step.skips->abort();
       }
       std::lock_guard<std::mutex> lock(mutex);
       if (--pending == 0) done.notify_one();
