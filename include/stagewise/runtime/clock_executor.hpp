@@ -40,7 +40,7 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
 /// cycle; later cycles never run. `skips` routes the skip connections (through portals).
 inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages, const Batch& input,
                               int64_t chunks, Checkpoint mode, bool training,
-                              std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = nullptr) {
+                              std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
   std::vector<Batch> batches = scatter(input, chunks);
   const int m = static_cast<int>(batches.size());
   const int n = static_cast<int>(stages.size());

@@ -130,7 +130,8 @@ inline std::vector<StageSpec> partition(torch::nn::Sequential seq, const balance
     spec.fn = [part, unpack = k == 0, where = spec.name](const Batch& in) mutable {
       auto it = part->begin();
       // Skippable layers have their stashes and pops checked while they run.
-      torch::nn::AnyValue v = in_layer_frame(*it->ptr(), [&] { return call_first(*it, in, unpack); });
+      torch::nn::AnyValue v =
+          in_layer_frame(*it->ptr(), [&] { return call_first(*it, in, unpack); });
       for (++it; it != part->end(); ++it) {
         v = in_layer_frame(*it->ptr(), [&] { return it->any_forward(std::move(v)); });
       }
