@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -172,7 +173,8 @@ int main() {
   row("train_step time ratio portal / tuple", train_portal_us / train_tuple_us, "");
 
   std::ostringstream last;
-  last << "skip_memory portal_peak_ratio=" << fwd_portal_peak / fwd_tuple_peak
+  last << std::fixed << std::setprecision(3)
+       << "skip_memory portal_peak_ratio=" << fwd_portal_peak / fwd_tuple_peak
        << " time_ratio=" << fwd_portal_us / fwd_tuple_us;
   std::cout << last.str() << std::endl;
   return same ? 0 : 1;

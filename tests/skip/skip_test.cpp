@@ -95,6 +95,15 @@ TORCH_MODULE(NoPop);
 
 using Lin = torch::nn::Linear;
 
+// A composite whose child stashes: it declares its skips through a skip_declarations
+// specialization (below), so typed pipes see them at compile time.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() : stash(register_module("stash", Stash<E1>())) {}
+  torch::Tensor forward(torch::Tensor x) { return stash(x) * 2; }
+  Stash<E1> stash;
+};
+TORCH_MODULE(Block);
+
 const sw::SkipInfo& info_x1 = sw::skip_info_of<sx<E1>>;
 const sw::SkipInfo& info_x2 = sw::skip_info_of<sx<E2>>;
 const sw::SkipInfo& info_y = sw::skip_info_of<sy>;
@@ -105,6 +114,12 @@ std::shared_ptr<const sw::detail::SkipLayout> two_stage_layout() {
 }
 
 }  // namespace st
+
+template <>
+struct stagewise::skip_declarations<st::BlockImpl> {
+  using stash_list = sw::skip_list<st::sx<st::E1>>;
+  using pop_list = sw::skip_list<>;
+};
 
 using namespace st;
 
@@ -150,6 +165,8 @@ static_assert(sw::skips_match<sw::seq<Stash<E1>, Lin>, sw::seq<Lin, Pop<E1>>>); 
 static_assert(!sw::skips_match<sw::seq<Pop<E1>, Stash<E1>>>);  // order inside a seq
 static_assert(sw::skips_match<sw::seq<Stash<E1>, Pop<E1>>>);   // within one stage
 static_assert(sw::skips_match<Stash<E1>, sw::seq<sw::seq<Stash<E2>, Pop<E2>>, Pop<E1>>>);
+static_assert(sw::skips_match<Block, Pop<E1>>);  // declared by specialization
+static_assert(!sw::skips_match<Block>);
 
 // ---- compile-time layout ----
 namespace layout_checks {
@@ -242,6 +259,14 @@ TEST_SUITE("skip layout at run time") {
           std::vector<std::pair<std::size_t, std::string>>{{1, info_x2.describe()}});
     CHECK(copies(pipe, 3) ==
           std::vector<std::pair<std::size_t, std::string>>{{0, info_x1.describe()}});
+  }
+
+  TEST_CASE("a composite's child skips are found at run time and routed") {
+    auto pipe = sw::Pipe(sw::stages(Block(), Pop<E1>()), sw::PipeOptions().chunks(2));
+    CHECK(pipe->skip_layout().find(info_x1)->stash_stage == 0);
+    CHECK(pipe->skip_layout().find(info_x1)->pop_stage == 1);
+    auto x = torch::rand({4, 1});
+    CHECK(pipe->forward(x).equal(x * 3));
   }
 
   TEST_CASE("a typed pipe's run-time layout equals its compile-time layout") {

@@ -62,7 +62,7 @@ class ForwardSkips {
                                                          const runtime::stage_call& fn) {
       Batch batch = in;
       torch::Tensor pop_phony;
-      if (!layout->copies_into(j).empty()) {
+      if (!layout->copies_into(j).empty()) {  // some skip arrives by portal
         auto [kept, phony] = fork(batch[0]);
         batch.set(0, kept);
         pop_phony = phony;

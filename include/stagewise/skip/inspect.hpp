@@ -33,7 +33,7 @@ inline void collect_layer_skips(const torch::nn::Module& module, std::size_t sta
     std::string where = "stage " + std::to_string(stage);
     if (!path.empty()) where += ", layer '" + path + "'";
     where += " (" + module.name() + ")";
-    out.push_back({stage, std::move(where), &skippable->skip_declarations()});
+    out.push_back({stage, std::move(where), &skippable->declared_skips()});
     return;
   }
   for (const auto& child : module.named_children()) {

@@ -70,7 +70,7 @@ struct stashed_skips<type_list<E...>> {
 /// The skip layout of a typed stage list, computed at compile time: which stage stashes and which
 /// pops each skip, and the copies each stage receives. `Pipe<S...>::skip_layout_type` is this.
 ///   using L = stagewise::skip_layout<StageA, StageB, StageC>;
-///   static_assert(L::route<skip_x>() .stash_stage == 0);
+///   static_assert(L::route<skip_x>().stash_stage == 0);
 ///   static_assert(L::copies_into<2>().size() == 1);
 template <class... Stages>
 struct skip_layout {
@@ -126,13 +126,21 @@ class SkipLayout {
  public:
   SkipLayout() = default;
   SkipLayout(std::size_t num_stages, std::vector<skip_route> routes)
-      : routes_(std::move(routes)), stages_(num_stages) {
+      : routes_(std::move(routes)), stages_(num_stages), into_(num_stages), from_(num_stages) {
     for (const auto& r : routes_) {
       TORCH_CHECK(r.stash_stage < num_stages && r.pop_stage < num_stages && r.skip != nullptr,
                   "stagewise: internal error: a skip route outside the pipe's stages");
       stages_[r.stash_stage].stashes.push_back(r.skip);
       stages_[r.pop_stage].pops.push_back(r.skip);
-      if (r.requires_copy()) crosses_ = true;
+      if (!r.requires_copy()) continue;
+      crosses_ = true;
+      into_[r.pop_stage].push_back(r);
+      from_[r.stash_stage].push_back(r);
+    }
+    for (auto& into : into_) {
+      std::stable_sort(into.begin(), into.end(), [](const skip_route& a, const skip_route& b) {
+        return a.stash_stage < b.stash_stage;
+      });
     }
   }
 
@@ -156,24 +164,9 @@ class SkipLayout {
 
   /// The cross-stage routes ending at stage `j`, sorted by stashing stage (torchgpipe's copy
   /// policy: each is copied straight from its source stage).
-  std::vector<skip_route> copies_into(std::size_t j) const {
-    std::vector<skip_route> out;
-    for (const auto& r : routes_) {
-      if (r.pop_stage == j && r.requires_copy()) out.push_back(r);
-    }
-    std::stable_sort(out.begin(), out.end(), [](const skip_route& a, const skip_route& b) {
-      return a.stash_stage < b.stash_stage;
-    });
-    return out;
-  }
+  const std::vector<skip_route>& copies_into(std::size_t j) const { return into_.at(j); }
   /// The cross-stage routes that start at stage `j`.
-  std::vector<skip_route> copies_from(std::size_t j) const {
-    std::vector<skip_route> out;
-    for (const auto& r : routes_) {
-      if (r.stash_stage == j && r.requires_copy()) out.push_back(r);
-    }
-    return out;
-  }
+  const std::vector<skip_route>& copies_from(std::size_t j) const { return from_.at(j); }
 
   /// Everything stage `j` stashes and pops: checked while the stage runs.
   const SkipDeclarations& stage(std::size_t j) const { return stages_.at(j); }
@@ -181,6 +174,8 @@ class SkipLayout {
  private:
   std::vector<skip_route> routes_;
   std::vector<SkipDeclarations> stages_;
+  std::vector<std::vector<skip_route>> into_;  // by popping stage, sorted by source
+  std::vector<std::vector<skip_route>> from_;  // by stashing stage
   bool crosses_ = false;
 };
 

@@ -60,7 +60,7 @@ struct infos_of<type_list<S...>> {
 class SkippableBase {
  public:
   virtual ~SkippableBase() = default;
-  virtual const SkipDeclarations& skip_declarations() const = 0;
+  virtual const SkipDeclarations& declared_skips() const = 0;
 };
 
 // Runs `body` (a call of `layer`) with the layer's declarations checked at run time when the
@@ -69,7 +69,7 @@ template <class F>
 decltype(auto) in_layer_frame(const torch::nn::Module& layer, F&& body) {
   const auto* skippable = dynamic_cast<const SkippableBase*>(&layer);
   if (skippable == nullptr) return std::forward<F>(body)();
-  LayerFrame frame(skippable->skip_declarations(), [&layer] { return layer.name(); });
+  LayerFrame frame(skippable->declared_skips(), [&layer] { return layer.name(); });
   decltype(auto) out = std::forward<F>(body)();
   frame.finish();
   return out;
@@ -91,6 +91,10 @@ struct pop_not_declared {
                 "above). Add the skip to the layer's stagewise::pops<...>.");
 };
 }  // namespace detail
+
+/// A list of skips as a type, e.g. for a `skip_declarations` specialization.
+template <skip_type... S>
+using skip_list = detail::type_list<S...>;
 
 /// A declaration for `Skippable`: `stashes<...>` or `pops<...>`.
 template <class D>
@@ -118,7 +122,7 @@ class Skippable : public torch::nn::Module, public detail::SkippableBase {
   Skippable() = default;
   explicit Skippable(std::string name) : torch::nn::Module(std::move(name)) {}
 
-  const detail::SkipDeclarations& skip_declarations() const override {
+  const detail::SkipDeclarations& declared_skips() const override {
     static const detail::SkipDeclarations declared{detail::infos_of<stash_list>::get(),
                                                    detail::infos_of<pop_list>::get()};
     return declared;
@@ -143,8 +147,8 @@ class Skippable : public torch::nn::Module, public detail::SkippableBase {
 /// declarations, looked up through module holders. Specialize it for a composite module whose
 /// children stash or pop, so typed pipes see its skips at compile time.
 ///   template <> struct stagewise::skip_declarations<MyBlockImpl> {
-///     using stash_list = stagewise::detail::type_list<skip_x>;
-///     using pop_list = stagewise::detail::type_list<>;
+///     using stash_list = stagewise::skip_list<skip_x>;
+///     using pop_list = stagewise::skip_list<>;
 ///   };
 template <class T>
 struct skip_declarations {
