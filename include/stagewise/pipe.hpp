@@ -9,6 +9,10 @@
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/timeline.hpp"
+#include "stagewise/skip/inspect.hpp"
+#include "stagewise/skip/layout.hpp"
+#include "stagewise/skip/train_skips.hpp"
+#include "stagewise/skip/verify.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/stage_list.hpp"
 #include "stagewise/stage/stage_spec.hpp"
@@ -51,6 +55,12 @@ class PipeImpl : public torch::nn::Module {
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
       : options_(std::move(options)), layers_(std::move(layers)) {
     verify_ownership(specs);
+    {
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      for (const auto& spec : specs) modules.push_back(spec.module);
+      // Every stash/pop problem of the layers, collected into one message.
+      skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
+    }
     const auto& devices = options_.devices();
     TORCH_CHECK(devices.empty() || devices.size() >= specs.size(), "stagewise::Pipe: ",
                 specs.size(), " stages but only ", devices.size(),
@@ -78,7 +88,7 @@ class PipeImpl : public torch::nn::Module {
   Batch forward_batch(const Batch& input) {
     if (stages_.empty()) return input;
     return runtime::run_clock_cycles(stages_, input, options_.chunks(), options_.checkpoint(),
-                                     is_training());
+                                     is_training(), skips_->empty() ? nullptr : skips_);
   }
 
   /// One training step driven by `sched` (GPipe's fill-drain by default; also
@@ -153,6 +163,18 @@ class PipeImpl : public torch::nn::Module {
     step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan =
         schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
+    if (!skips_->empty()) {
+      for (const auto& program : plan.programs) {
+        for (const auto& a : program) {
+          TORCH_CHECK(a.kind != schedule::ActionKind::input_grad,
+                      "stagewise::Pipe::train_step: skip connections do not work with a split "
+                      "backward (input_grad / weight_grad, as in zero_bubble_h1) yet; use gpipe, "
+                      "one_f_one_b or interleaved_one_f_one_b with this pipe");
+        }
+      }
+      step.skips = std::make_shared<detail::TrainSkips>(skips_, stages_.size(),
+                                                        static_cast<std::size_t>(m));
+    }
     if (before) before(m);
     return runtime::run_programs(stages_, plan, step, timeline);
   }
@@ -173,6 +195,8 @@ class PipeImpl : public torch::nn::Module {
   torch::Device device(std::size_t k) const { return stage_at(k).device; }
   /// The options the pipe was built with.
   const PipeOptions& options() const { return options_; }
+  /// Which stage stashes and which pops each skip connection (verified at construction).
+  const detail::SkipLayout& skip_layout() const { return *skips_; }
 
   /// Number of layers: the Sequential's layers, or the stages of a typed stage list.
   std::size_t size() const { return layers_.size(); }
@@ -232,6 +256,7 @@ class PipeImpl : public torch::nn::Module {
   }
 
   PipeOptions options_;
+  std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::shared_ptr<torch::nn::Module>> layers_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;
 };
@@ -249,6 +274,10 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   /// What the first stage takes and the last returns (checked at compile time).
   using input_type = typename list_type::input_type;
   using output_type = typename list_type::output_type;
+  /// Which stage stashes and which pops each skip, computed at compile time.
+  using skip_layout_type = skip_layout<S...>;
+  // Each stash/pop mistake of the typed stages (and of their seq layers) is a compile error here.
+  static_assert(detail::skips_checked<S...>);
 
   /// An empty holder, to assign later.
   Pipe(std::nullptr_t) : torch::nn::ModuleHolder<PipeImpl>(nullptr) {}  // NOLINT(implicit)

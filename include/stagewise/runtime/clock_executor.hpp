@@ -5,6 +5,8 @@
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/clock.hpp"
+#include "stagewise/skip/forward_skips.hpp"
+#include "stagewise/skip/layout.hpp"
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/types.h>
@@ -35,15 +37,17 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
 /// connected to autograd (the caller runs backward). Before cell (i, j) with i > 0, micro-batch
 /// i-1's value is forked and joined into micro-batch i's, so backward on each stage runs the
 /// micro-batches in the order m-1 .. 0. A stage's exception is rethrown unchanged after its
-/// cycle; later cycles never run.
+/// cycle; later cycles never run. `skips` routes the skip connections (through portals).
 inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages, const Batch& input,
-                              int64_t chunks, Checkpoint mode, bool training) {
+                              int64_t chunks, Checkpoint mode, bool training,
+                              std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
   std::vector<Batch> batches = scatter(input, chunks);
   const int m = static_cast<int>(batches.size());
   const int n = static_cast<int>(stages.size());
   const int64_t stop = checkpoint_stop(mode, m, training);
   const bool replay = stop > 0;
   const at::ThreadLocalState state;  // the caller's grad mode, autocast, ... for the workers
+  ::stagewise::detail::ForwardSkips portals(std::move(skips), batches.size());
 
   struct Slot {
     std::optional<Batch> out;
@@ -62,6 +66,7 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
         b.set(0, join(b[0], phony));
       }
       if (c.stage != 0) b = stages[c.stage]->receive(b, *stages[c.stage - 1], c.micro);
+      portals.copy_into(b, c.micro, c.stage, stages);
     }
     std::vector<Slot> slots(cycle.size());
     std::size_t pending = cycle.size();
@@ -71,7 +76,8 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
       stage.worker.post([&, k, c] {
         try {
           at::ThreadLocalStateGuard guard(state);
-          slots[k].out.emplace(stage.run(batches[c.micro], c.micro < stop, replay, training));
+          slots[k].out.emplace(stage.run(batches[c.micro], c.micro < stop, replay, training,
+                                         portals.wrapper(c.micro, c.stage)));
         } catch (...) {
           slots[k].error = std::current_exception();
         }

@@ -9,6 +9,7 @@
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/timeline.hpp"
+#include "stagewise/skip/train_skips.hpp"
 
 #include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
@@ -117,6 +118,7 @@ struct TrainStep {
   int64_t stop = 0;  // micro-batches below it are checkpointed
   bool training = true;
   std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
+  std::shared_ptr<::stagewise::detail::TrainSkips> skips;  // skip connections; null: none
 };
 
 namespace detail {
@@ -131,7 +133,10 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
     cell.leaves.push_back(t.detach().requires_grad_(grad));
   }
   auto run = [&] {
-    Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    auto call = [&] {
+      return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    };
+    Batch out = step.skips ? step.skips->run(j, i, call) : call();
     if (last) {
       TORCH_CHECK(out.atomic() && step.targets[i].atomic(),
                   "stagewise::train_step: the last stage must return one Tensor and the target "
@@ -163,7 +168,7 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
 }
 
 // R: re-runs a checkpointed cell with grad enabled and its forward's random numbers.
-inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& step,
+inline void recompute_cell(StageRuntime& stage, int j, int i, bool last, TrainStep& step,
                            CellMemory& cell) {
   stage.rng.run(step.training, [&] {
     // A stage known to draw nothing runs without the lock, and rewinding the process-wide
@@ -172,7 +177,10 @@ inline void recompute_cell(StageRuntime& stage, int i, bool last, TrainStep& ste
     std::optional<RngState::Restore> replay_rng;
     if (!stage.rng.draws_nothing(step.training)) replay_rng.emplace(*cell.rng);
     auto scope = ::stagewise::detail::recomputing_scope();
-    Batch out = stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    auto call = [&] {
+      return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
+    };
+    Batch out = step.skips ? step.skips->run(j, i, call) : call();
     if (last) cell.loss = step.loss_fn(out.tensor(), step.targets[i].tensor()) * step.weights[i];
     cell.outputs.assign(out.begin(), out.end());
   });
@@ -248,7 +256,9 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
       case ActionKind::forward: {
         Batch x = j == 0 ? *received
                          : stage.receive(*received, *stages[static_cast<std::size_t>(j - 1)], i);
+        if (step.skips && !step.skips->receive(stages, j, i)) throw detail::Aborted{};
         Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
+        if (step.skips) step.skips->send(j, i);
         if (!last) {
           std::vector<torch::Tensor> sent;
           for (const auto& t : out) sent.push_back(t.detach());
@@ -257,13 +267,15 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
         break;
       }
       case ActionKind::recompute:
-        detail::recompute_cell(stage, i, last, step, cell);
+        detail::recompute_cell(stage, j, i, last, step, cell);
         break;
       case ActionKind::backward: {
         std::vector<torch::Tensor> outs;
         std::vector<torch::Tensor> grads;
         detail::backward_roots(cell, last, grad ? &*grad : nullptr, outs, grads);
+        if (step.skips && !step.skips->add_roots(j, i, outs, grads)) throw detail::Aborted{};
         if (!outs.empty()) torch::autograd::backward(outs, grads);
+        if (step.skips) step.skips->send_grads(j, i);
         if (j > 0) {
           std::vector<torch::Tensor> input_grads;
           for (auto& leaf : cell.leaves) input_grads.push_back(leaf.grad());
@@ -327,6 +339,7 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
         // another stage failed first; its exception is the one reported
       } catch (...) {
         mail.abort(std::current_exception());
+        if (step.skips) step.skips->abort();  // wake workers waiting for a skip
       }
       std::lock_guard<std::mutex> lock(mutex);
       if (--pending == 0) done.notify_one();

@@ -17,6 +17,12 @@
 
 namespace stagewise::runtime {
 
+/// A stage's function over batches.
+using stage_call = std::function<Batch(const Batch&)>;
+/// Runs one cell's stage function (the second argument) on a batch, with whatever the cell needs
+/// around it: skip connections install their tracker this way. Called again by the recompute.
+using cell_wrapper = std::function<Batch(const Batch&, const stage_call&)>;
+
 /// A stage as the executors see it: its function, device, worker thread, compute stream, copy
 /// streams (one per micro-batch, made on demand) and random-number section.
 struct StageRuntime {
@@ -46,8 +52,9 @@ struct StageRuntime {
   }
 
   /// Runs the stage on this thread: plainly, or checkpointed (`checkpointed`), inside the
-  /// random-number section when exact replay matters (`replay`).
-  Batch run(const Batch& in, bool checkpointed, bool replay, bool training) {
+  /// random-number section when exact replay matters (`replay`); through `wrap` when given.
+  Batch run(const Batch& in, bool checkpointed, bool replay, bool training,
+            cell_wrapper wrap = nullptr) {
     std::optional<c10::DeviceGuard> device_guard;
     std::optional<c10::StreamGuard> stream_guard;
     if (device.type() != torch::kCPU) {
@@ -57,8 +64,9 @@ struct StageRuntime {
     if (checkpointed) {
       auto atomic = std::make_shared<bool>(in.atomic());
       const bool input_atomic = in.atomic();
-      auto fn = [this, atomic, input_atomic](const std::vector<torch::Tensor>& xs) {
-        Batch out = spec.fn(input_atomic ? Batch(xs.front()) : Batch(xs));
+      auto fn = [this, atomic, input_atomic, wrap](const std::vector<torch::Tensor>& xs) {
+        const Batch in = input_atomic ? Batch(xs.front()) : Batch(xs);
+        Batch out = wrap ? wrap(in, spec.fn) : spec.fn(in);
         *atomic = out.atomic();
         return std::vector<torch::Tensor>(out.begin(), out.end());
       };
@@ -68,9 +76,10 @@ struct StageRuntime {
       if (*atomic) return Batch(std::move(outs.front()));
       return Batch(std::move(outs));
     }
-    if (!replay) return spec.fn(in);
+    auto call = [&] { return wrap ? wrap(in, spec.fn) : spec.fn(in); };
+    if (!replay) return call();
     std::optional<Batch> out;
-    rng.run(training, [&] { out.emplace(spec.fn(in)); });
+    rng.run(training, [&] { out.emplace(call()); });
     return std::move(*out);
   }
 };

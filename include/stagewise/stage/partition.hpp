@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/skip/skippable.hpp"
 #include "stagewise/stage/stage_spec.hpp"
 
 #include <c10/util/Type.h>
@@ -128,8 +129,12 @@ inline std::vector<StageSpec> partition(torch::nn::Sequential seq, const balance
     spec.module = part.ptr();
     spec.fn = [part, unpack = k == 0, where = spec.name](const Batch& in) mutable {
       auto it = part->begin();
-      torch::nn::AnyValue v = call_first(*it, in, unpack);
-      for (++it; it != part->end(); ++it) v = it->any_forward(std::move(v));
+      // Skippable layers have their stashes and pops checked while they run.
+      torch::nn::AnyValue v =
+          in_layer_frame(*it->ptr(), [&] { return call_first(*it, in, unpack); });
+      for (++it; it != part->end(); ++it) {
+        v = in_layer_frame(*it->ptr(), [&] { return it->any_forward(std::move(v)); });
+      }
       return any_to_batch(std::move(v), where);
     };
     out.push_back(std::move(spec));

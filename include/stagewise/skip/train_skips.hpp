@@ -1,0 +1,187 @@
+#pragma once
+
+#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/runtime/stream.hpp"
+#include "stagewise/skip/layout.hpp"
+#include "stagewise/skip/tracker.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace stagewise::detail {
+
+/// Skip connections in `train_step`, where every (stage, micro-batch) cell has its own graph.
+///
+/// A cross-stage skip is sent, detached, straight from the stashing stage to the popping stage,
+/// where it becomes a leaf of that cell's graph (the same leaf in the forward and in the
+/// recompute). After the popping cell's backward the leaf's gradient is sent back, and the
+/// stashing cell's backward starts from its outputs and its stashed tensors together. Only the
+/// popping stage holds the tensor in between; the stages it skips never see it. Skips within a
+/// stage are kept plainly for the duration of one run of the cell.
+class TrainSkips {
+ public:
+  TrainSkips(std::shared_ptr<const SkipLayout> layout, std::size_t stages, std::size_t micro)
+      : layout_(std::move(layout)), m_(micro), cells_(stages * micro) {}
+
+  /// Forward of cell (j, i): waits for the skips routed into stage j and makes them leaves.
+  /// False when the step was aborted.
+  bool receive(std::vector<std::unique_ptr<runtime::StageRuntime>>& stages, std::size_t j,
+               std::size_t i) {
+    auto& cell = cell_at(j, i);
+    for (const auto& r : layout_->copies_into(j)) {
+      auto t = take(tensors_, {j, i, r.skip});
+      if (!t) return false;
+      torch::Tensor x = std::move(*t);
+      if (x.defined()) {
+        runtime::StageRuntime& from = *stages[r.stash_stage];
+        runtime::StageRuntime& to = *stages[j];
+        x = runtime::copy_to(x, to.device, from.compute, to.copy_stream(i), to.compute).detach();
+        x.requires_grad_(x.is_floating_point() || x.is_complex());
+      }
+      cell.leaves[r.skip] = std::move(x);
+    }
+    return true;
+  }
+
+  /// Runs `body` (the stage's function, in the forward or the recompute) with cell (j, i)'s
+  /// tracker and stage j's declarations installed.
+  template <class F>
+  auto run(std::size_t j, std::size_t i, F&& body) {
+    Cell cell_tracker(*this, j, i);
+    UseSkipTracker use(cell_tracker);
+    LayerFrame frame(layout_->stage(j), [j] { return "stage " + std::to_string(j); });
+    auto out = body();
+    frame.finish();
+    return out;
+  }
+
+  /// After the forward of cell (j, i): sends the stashed tensors to their popping stages. A
+  /// stashed tensor without graph (a checkpointed forward) is not kept: the recompute stashes
+  /// it again with its graph.
+  void send(std::size_t j, std::size_t i) {
+    auto& cell = cell_at(j, i);
+    for (const auto& r : layout_->copies_from(j)) {
+      auto it = cell.stashed.find(r.skip);
+      torch::Tensor t = it == cell.stashed.end() ? torch::Tensor() : it->second;
+      post(tensors_, {r.pop_stage, i, r.skip}, t.defined() ? t.detach() : t);
+      if (it != cell.stashed.end() && !(t.defined() && t.requires_grad())) cell.stashed.erase(it);
+    }
+  }
+
+  /// Before the backward of cell (j, i): adds each stashed tensor and the gradient its popping
+  /// stage sent back to the roots of the backward. False when the step was aborted.
+  bool add_roots(std::size_t j, std::size_t i, std::vector<torch::Tensor>& roots,
+                 std::vector<torch::Tensor>& grads) {
+    auto& cell = cell_at(j, i);
+    for (const auto& r : layout_->copies_from(j)) {
+      auto g = take(grads_, {j, i, r.skip});
+      if (!g) return false;
+      auto it = cell.stashed.find(r.skip);
+      if (it == cell.stashed.end() || !g->defined()) continue;  // no gradient: nothing to add
+      const torch::Tensor& t = it->second;
+      if (!t.defined() || !t.requires_grad()) continue;
+      roots.push_back(t);
+      grads.push_back(g->device() == t.device() ? *g : g->to(t.device()));
+    }
+    return true;
+  }
+
+  /// After the backward of cell (j, i): sends the popped leaves' gradients back to their
+  /// stashing stages and frees the cell's skips.
+  void send_grads(std::size_t j, std::size_t i) {
+    auto& cell = cell_at(j, i);
+    for (const auto& r : layout_->copies_into(j)) {
+      auto it = cell.leaves.find(r.skip);
+      torch::Tensor g;
+      if (it != cell.leaves.end() && it->second.defined() && it->second.requires_grad()) {
+        g = it->second.grad();
+      }
+      post(grads_, {r.stash_stage, i, r.skip}, std::move(g));
+    }
+    cell = CellState{};
+  }
+
+  /// Wakes every waiting stage after another one failed.
+  void abort() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      aborted_ = true;
+    }
+    wake_.notify_all();
+  }
+
+ private:
+  using key = std::tuple<std::size_t, std::size_t, const SkipInfo*>;  // (to stage, micro, skip)
+
+  struct CellState {
+    std::map<const SkipInfo*, torch::Tensor> leaves;   // popped, as leaves of this cell's graph
+    std::map<const SkipInfo*, torch::Tensor> stashed;  // cross-stage stashes, with their graph
+    SkipTracker within;                                // skips that stay in the stage
+  };
+
+  // The tracker installed while a cell runs.
+  class Cell final : public SkipTrackerBase {
+   public:
+    Cell(TrainSkips& owner, std::size_t j, std::size_t i)
+        : owner_(owner), state_(owner.cell_at(j, i)) {}
+    void stash(const SkipInfo& skip, torch::Tensor tensor) override {
+      if (owner_.layout_->requires_copy(skip)) {
+        state_.stashed[&skip] = std::move(tensor);
+      } else {
+        state_.within.stash(skip, std::move(tensor));
+      }
+    }
+    torch::Tensor pop(const SkipInfo& skip) override {
+      if (!owner_.layout_->requires_copy(skip)) return state_.within.pop(skip);
+      auto it = state_.leaves.find(&skip);
+      TORCH_CHECK(it != state_.leaves.end(), "stagewise::pop: skip ", skip.describe(),
+                  " did not arrive at this stage. Stash it in an earlier stage.");
+      return it->second;
+    }
+
+   private:
+    TrainSkips& owner_;
+    CellState& state_;
+  };
+
+  CellState& cell_at(std::size_t j, std::size_t i) { return cells_.at(j * m_ + i); }
+
+  void post(std::map<key, torch::Tensor>& box, const key& k, torch::Tensor t) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      box[k] = std::move(t);
+    }
+    wake_.notify_all();
+  }
+  std::optional<torch::Tensor> take(std::map<key, torch::Tensor>& box, const key& k) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait(lock, [&] { return aborted_ || box.count(k) > 0; });
+    auto it = box.find(k);
+    if (it == box.end()) return std::nullopt;
+    torch::Tensor t = std::move(it->second);
+    box.erase(it);
+    return t;
+  }
+
+  std::shared_ptr<const SkipLayout> layout_;
+  std::size_t m_;
+  std::vector<CellState> cells_;  // stage-major; each touched only by its stage's worker
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::map<key, torch::Tensor> tensors_;
+  std::map<key, torch::Tensor> grads_;
+  bool aborted_ = false;
+};
+
+}  // namespace stagewise::detail
