@@ -61,14 +61,14 @@ using unique_t = typename unique<List>::type;
 
 // Element I of a list.
 template <std::size_t I, class List>
-struct at;
+struct type_at;
 template <std::size_t I, class First, class... Rest>
-struct at<I, type_list<First, Rest...>> : at<I - 1, type_list<Rest...>> {};
+struct type_at<I, type_list<First, Rest...>> : type_at<I - 1, type_list<Rest...>> {};
 template <class First, class... Rest>
-struct at<0, type_list<First, Rest...>> {
+struct type_at<0, type_list<First, Rest...>> {
   using type = First;
 };
 template <std::size_t I, class List>
-using at_t = typename at<I, List>::type;
+using at_t = typename type_at<I, List>::type;
 
 }  // namespace stagewise::detail
