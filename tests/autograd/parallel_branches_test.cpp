@@ -8,6 +8,8 @@
 #include <torch/utils.h>
 #include <torch/version.h>
 
+#include "tests/support/errors.hpp"
+
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -25,20 +27,10 @@ namespace sw = stagewise;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+using stagewise::testing::error_of;
+using stagewise::testing::contains;
+
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 // Threads meet here: `arrive` returns true if `count` threads arrived within two seconds, which
 // can only happen if they run at the same time.

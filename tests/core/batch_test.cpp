@@ -1,21 +1,15 @@
 #include "stagewise/core/batch.hpp"
 
+#include "tests/support/errors.hpp"
+
 #include <doctest/doctest.h>
 
 #include <string>
 
 namespace sw = stagewise;
 
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-}  // namespace
+using stagewise::testing::error_of;
+
 
 TEST_SUITE("batch") {
   TEST_CASE("an atomic batch gives its tensor and index 0, not tensors()") {

@@ -7,6 +7,8 @@
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
+#include "tests/support/errors.hpp"
+
 #include <doctest/doctest.h>
 
 #include <memory>
@@ -16,20 +18,10 @@
 
 namespace sw = stagewise;
 
+using stagewise::testing::error_of;
+using stagewise::testing::contains;
+
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 torch::nn::Sequential expert(int64_t width) {
   return torch::nn::Sequential(torch::nn::Linear(8, width), torch::nn::ReLU(),
