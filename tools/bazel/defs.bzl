@@ -12,7 +12,7 @@ def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
         **kwargs
     )
 
-def header_self_containment(name, hdrs):
+def header_self_containment(name, hdrs, deps = ["//:stagewise"]):
     """For each header, a generated .cpp that includes it twice, compiled as its own target."""
     targets = []
     for hdr in hdrs:
@@ -27,7 +27,7 @@ def header_self_containment(name, hdrs):
         native.cc_library(
             name = name + "_" + stem,
             srcs = [src],
-            deps = ["//:stagewise"],
+            deps = deps,
         )
         targets.append(":" + name + "_" + stem)
     native.filegroup(name = name, srcs = targets)

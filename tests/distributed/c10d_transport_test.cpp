@@ -1,0 +1,319 @@
+#include "stagewise/runtime/c10d/env.hpp"
+#include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/transport.hpp"
+
+#include "tests/support/errors.hpp"
+#include "tests/support/multiprocess.hpp"
+
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace rt = stagewise::runtime;
+using rt::Message;
+using rt::MessageKey;
+using rt::MessageKind;
+using stagewise::testing::contains;
+using stagewise::testing::error_of;
+using stagewise::testing::RankOutcome;
+using stagewise::testing::run_ranks;
+using namespace std::chrono_literals;
+
+static_assert(rt::transport<rt::C10dTransport<>>);
+static_assert(rt::point_to_point_group<c10d::ProcessGroupGloo>);
+static_assert(!rt::point_to_point_group<int>);
+
+namespace {
+
+// Every rank connected and past the Gloo set-up before the test's body goes on.
+rt::Connection connected() {
+  auto c = rt::connect(rt::rendezvous_env(), rt::ConnectOptions{10s});
+  c.store->add("ready", 1);
+  while (c.store->add("ready", 0) < c.env.world_size) std::this_thread::sleep_for(10ms);
+  return c;
+}
+
+void expect(bool ok, const std::string& what) {
+  TORCH_CHECK(ok, "rank ", rt::rendezvous_env().rank, ": ", what);
+}
+
+void expect_equal(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+  expect(a.defined() == b.defined(), what + ": defined differs");
+  if (!a.defined()) return;
+  expect(a.scalar_type() == b.scalar_type(), what + ": dtype differs");
+  expect(a.sizes() == b.sizes(), what + ": shape differs");
+  expect(a.numel() == 0 || torch::equal(a, b), what + ": values differ");
+}
+
+Message sample(int micro) {
+  if (micro == 0) {
+    return {{torch::arange(12, torch::kFloat32).reshape({4, 3}), torch::Tensor(),
+             torch::tensor(7, torch::kInt64), torch::empty({0, 5}, torch::kFloat64)},
+            false};
+  }
+  if (micro == 1) return {{torch::arange(6, torch::kFloat32).reshape({2, 3}) * 0.5}, true};
+  std::vector<torch::Tensor> many;  // a header longer than its fixed part
+  for (int k = 0; k < 30; ++k) many.push_back(torch::full({1, 1, 1}, k, torch::kInt32));
+  return {many, false};
+}
+
+void check_sample(const Message& got, int micro) {
+  const Message want = sample(micro);
+  expect(got.atomic == want.atomic, "atomic flag differs");
+  expect(got.tensors.size() == want.tensors.size(), "number of tensors differs");
+  for (std::size_t k = 0; k < want.tensors.size(); ++k) {
+    expect_equal(got.tensors[k], want.tensors[k], "tensor " + std::to_string(k));
+  }
+}
+
+int rank_of_two(int stage) {
+  return stage % 2;
+}
+
+const RankOutcome& of(const std::vector<RankOutcome>& r, int rank) {
+  return r[static_cast<std::size_t>(rank)];
+}
+
+}  // namespace
+
+TEST_SUITE("c10d transport") {
+  TEST_CASE("messages cross ranks with their metadata, smaller last micro-batches included") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          // Stages 0 and 2 on rank 0, stage 1 on rank 1; skip 0 goes from stage 0 to stage 2.
+          rt::C10dTransport<> t(c, rank_of_two, {{0, 2}});
+          if (rank == 0) {
+            for (int m = 0; m < 3; ++m) t.send({MessageKind::activation, 1, m}, sample(m));
+            t.send({MessageKind::skip, 2, 0, 0}, sample(1));  // local: same rank
+            check_sample(t.recv({MessageKind::skip, 2, 0, 0}).value(), 1);
+            auto g = t.recv({MessageKind::gradient, 0, 1}).value();
+            expect_equal(g.tensors.at(0), sample(1).tensors[0] * 2, "gradient");
+          } else {
+            for (int m : {2, 0, 1})
+              check_sample(t.recv({MessageKind::activation, 1, m}).value(), m);
+            t.send({MessageKind::gradient, 0, 1}, {{sample(1).tensors[0] * 2}, true});
+          }
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).text == "");
+      CHECK(of(r, k).status == 0);
+    }
+  }
+
+  TEST_CASE("steps do not mix: the same key in the next step is a new message") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport<> t(c, rank_of_two);
+          for (int step = 0; step < 3; ++step) {
+            const MessageKey k{MessageKind::activation, 1, 0};
+            if (rank == 0) {
+              t.send(k, {{torch::full({2}, step)}, true});
+            } else {
+              expect_equal(t.recv(k).value().tensors[0], torch::full({2}, step), "step value");
+            }
+            t.next_step();
+          }
+        },
+        60s);
+    CHECK(of(r, 0).status == 0);
+    CHECK(of(r, 1).text == "");
+    CHECK(of(r, 1).status == 0);
+  }
+
+  TEST_CASE("a rank that aborts makes every other rank fail, naming it, within the poll time") {
+    auto r = run_ranks(
+        3,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport<> t(
+              c, [](int s) { return s; }, {}, rt::C10dOptions().timeout(20s));
+          const auto start = std::chrono::steady_clock::now();
+          if (rank == 2) {
+            std::this_thread::sleep_for(200ms);
+            t.abort(std::make_exception_ptr(c10::Error("boom in stage 2", "")));
+            expect(!t.recv({MessageKind::activation, 2, 0}).has_value(),
+                   "recv after abort gave a message");
+            return;
+          }
+          const std::string e = error_of([&] { t.recv({MessageKind::gradient, rank, 0}); });
+          const auto waited = std::chrono::steady_clock::now() - start;
+          stagewise::testing::report(e);
+          expect(waited < 5s, "took too long to fail");
+        },
+        60s);
+    CHECK(of(r, 2).status == 0);
+    CHECK(of(r, 2).text == "");
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).status == 0);
+      CHECK(of(r, k).text ==
+            "stagewise: rank 2 failed: boom in stage 2. Rank " + std::to_string(k) + " stops too.");
+    }
+  }
+
+  TEST_CASE("a killed rank makes the ranks that wait on it, and then every rank, fail") {
+    auto r = run_ranks(
+        3,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport<> t(
+              c, [](int s) { return s; }, {}, rt::C10dOptions().timeout(20s));
+          if (rank == 2) {
+            std::this_thread::sleep_for(200ms);
+            ::raise(SIGKILL);
+          }
+          // Rank 1 waits on rank 2 (which dies); rank 0 waits on rank 1 (which is alive).
+          stagewise::testing::report(error_of([&] { t.recv({MessageKind::gradient, rank, 0}); }));
+        },
+        60s);
+    CHECK(of(r, 2).status == -SIGKILL);
+    CHECK(of(r, 1).status == 0);
+    CHECK(contains(of(r, 1).text,
+                   "stagewise: rank 2 is gone: its connection closed while rank 1 exchanged the "
+                   "gradient of micro-batch 0 for stage 1 with it; it crashed, was killed, or "
+                   "exited early (see its output). Transport error: "));
+    CHECK(contains(of(r, 1).text, "Rank 1 stops too."));
+    CHECK(of(r, 0).status == 0);
+    CHECK(contains(of(r, 0).text, "stagewise: rank 2 is gone: its connection closed while rank 1"));
+    CHECK(contains(of(r, 0).text, "Rank 0 stops too."));
+  }
+
+  TEST_CASE("a killed rank 0, which serves the store, is named by the rank waiting on it") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport<> t(c, rank_of_two, {}, rt::C10dOptions().timeout(20s));
+          if (rank == 0) {
+            std::this_thread::sleep_for(200ms);
+            ::raise(SIGKILL);
+          }
+          stagewise::testing::report(error_of([&] { t.recv({MessageKind::activation, 1, 0}); }));
+        },
+        60s);
+    CHECK(of(r, 0).status == -SIGKILL);
+    CHECK(of(r, 1).status == 0);
+    CHECK(contains(of(r, 1).text,
+                   "stagewise: rank 0 is gone: its connection closed while rank 1 "
+                   "exchanged the activation of micro-batch 0 for stage 1"));
+  }
+
+  TEST_CASE("a receive past the timeout fails every rank instead of hanging") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport<> t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
+          // Both wait and nobody sends: a wrong plan would do this.
+          const MessageKey k = rank == 0 ? MessageKey{MessageKind::gradient, 0, 0}
+                                         : MessageKey{MessageKind::activation, 1, 0};
+          stagewise::testing::report(error_of([&] { t.recv(k); }));
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).status == 0);
+      CHECK(contains(of(r, k).text, "waited more than 1000 ms for the "));
+      CHECK(contains(of(r, k).text,
+                     "; that rank is stuck or slower than the timeout (raise "
+                     "C10dOptions::timeout if its stage is just slow)"));
+    }
+  }
+
+  TEST_CASE("tags hold 256 stages, 4096 micro-batches and 31 skips; beyond is a clear error") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = connected();
+          rt::C10dTransport<> t(c, rank_of_two);
+          stagewise::testing::report(error_of([&] {
+            t.send({MessageKind::activation, 1, 5000}, {{torch::ones(1)}, true});
+          }));
+        },
+        60s);
+    CHECK(of(r, 0).text ==
+          "stagewise::C10dTransport: the activation of micro-batch 5000 for stage 1 is beyond "
+          "what message tags hold (256 stages, 4096 micro-batches, 31 skips); use fewer chunks "
+          "or stages");
+  }
+}
+
+TEST_SUITE("rendezvous") {
+  struct Env {
+    explicit Env(std::vector<std::pair<const char*, const char*>> vars) {
+      for (const char* n : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}) {
+        ::unsetenv(n);
+      }
+      for (auto [n, v] : vars) ::setenv(n, v, 1);
+    }
+    ~Env() {
+      for (const char* n : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}) {
+        ::unsetenv(n);
+      }
+    }
+  };
+  const std::string fix =
+      ". Start every rank with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, as "
+      "torchrun does, e.g. tools/launch -n 2 -- ./train";
+
+  TEST_CASE("the torchrun variables are read, LOCAL_RANK defaulting to RANK") {
+    Env env({{"MASTER_ADDR", "10.0.0.1"},
+             {"MASTER_PORT", "29500"},
+             {"RANK", "1"},
+             {"WORLD_SIZE", "4"}});
+    const auto e = rt::rendezvous_env();
+    CHECK(e.master_addr == "10.0.0.1");
+    CHECK(e.master_port == 29500);
+    CHECK(e.rank == 1);
+    CHECK(e.world_size == 4);
+    CHECK(e.local_rank == 1);
+  }
+
+  TEST_CASE("a missing or malformed variable is named with the fix") {
+    {
+      Env env({{"MASTER_PORT", "29500"}, {"RANK", "0"}, {"WORLD_SIZE", "2"}});
+      CHECK(error_of([] { rt::rendezvous_env(); }) ==
+            "stagewise: the environment variable MASTER_ADDR is not set" + fix);
+    }
+    {
+      Env env(
+          {{"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}, {"RANK", "one"}, {"WORLD_SIZE", "2"}});
+      CHECK(error_of([] { rt::rendezvous_env(); }) ==
+            "stagewise: the environment variable RANK is 'one', not an integer in 0..1" + fix);
+    }
+    {
+      Env env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}, {"RANK", "2"}, {"WORLD_SIZE", "2"}});
+      CHECK(error_of([] { rt::rendezvous_env(); }) ==
+            "stagewise: the environment variable RANK is '2', not an integer in 0..1" + fix);
+    }
+    {
+      Env env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "99999"}, {"RANK", "0"}, {"WORLD_SIZE", "2"}});
+      CHECK(error_of([] { rt::rendezvous_env(); }) ==
+            "stagewise: the environment variable MASTER_PORT is '99999', not an integer in "
+            "1..65535" +
+                fix);
+    }
+  }
+
+  TEST_CASE("a rank that finds no store at MASTER_ADDR:MASTER_PORT says where it looked") {
+    const int port = stagewise::testing::free_port();
+    rt::RendezvousEnv env{"127.0.0.1", port, 1, 2, 1};
+    const auto e = error_of([&] { rt::connect(env, rt::ConnectOptions{500ms}); });
+    CHECK(contains(
+        e, "stagewise: rank 1 of 2 could not rendezvous at 127.0.0.1:" + std::to_string(port) +
+               " (rank 0 serves the store there: is it running, and are MASTER_ADDR "
+               "and MASTER_PORT the same on every rank?): "));
+  }
+}
