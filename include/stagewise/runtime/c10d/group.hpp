@@ -5,6 +5,9 @@
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/version.h>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -74,10 +77,16 @@ struct Connection {
   PointToPoint group;
 };
 
+/// Which c10d process group `connect` builds: Gloo (CPU tensors; every LibTorch) or NCCL (CUDA
+/// tensors; only a LibTorch built with CUDA and NCCL, compiled with USE_C10D_NCCL).
+enum class Backend { gloo, nccl };
+
 /// How `connect` rendezvouses: how long rank 0 waits for the others and every rank waits for
-/// rank 0's store.
+/// rank 0's store, and over which backend.
+///   stagewise::runtime::ConnectOptions{std::chrono::seconds(60), Backend::nccl}
 struct ConnectOptions {
   std::chrono::milliseconds timeout{30000};
+  Backend backend = Backend::gloo;
 };
 
 namespace detail {
@@ -99,10 +108,11 @@ inline std::string what_of(const std::exception& e) {
 
 }  // namespace detail
 
-/// Joins the job `env` describes over Gloo: rank 0 serves a c10d::TCPStore at MASTER_PORT and
-/// waits for the others, every rank then builds a c10d::ProcessGroupGloo over it. Gloo binds to
-/// the interface named by GLOO_SOCKET_IFNAME when set, to loopback when MASTER_ADDR is loopback,
-/// else to the address this machine's hostname resolves to. Failures name the address and fix.
+/// Joins the job `env` describes over Gloo (or NCCL, see ConnectOptions): rank 0 serves a
+/// c10d::TCPStore at MASTER_PORT and waits for the others, every rank then builds a
+/// c10d::ProcessGroupGloo over it. Gloo binds to the interface named by GLOO_SOCKET_IFNAME when
+/// set, to loopback when MASTER_ADDR is loopback, else to the address this machine's hostname
+/// resolves to. Failures name the address and fix.
 ///   auto c = stagewise::runtime::connect(stagewise::runtime::rendezvous_env());
 inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {}) {
   c10d::TCPStoreOptions so;
@@ -123,6 +133,18 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
                               : " (rank 0 serves the store there: is it running, and are "
                                 "MASTER_ADDR and MASTER_PORT the same on every rank?)",
                 ": ", detail::what_of(e));
+  }
+  if (options.backend == Backend::nccl) {
+#ifdef USE_C10D_NCCL
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout;
+    auto group =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_options);
+    return Connection{env, store, PointToPoint(group)};
+#else
+    TORCH_CHECK(false, "stagewise: this LibTorch has no NCCL (compiled without USE_C10D_NCCL); ",
+                "use Backend::gloo, or build against a CUDA LibTorch with -DUSE_C10D_NCCL");
+#endif
   }
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
   const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
