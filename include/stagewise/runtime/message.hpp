@@ -2,21 +2,22 @@
 
 #include <torch/types.h>
 
-#include <concepts>
+#include <cstddef>
 #include <cstdint>
-#include <exception>
-#include <optional>
-#include <utility>
+#include <functional>
 #include <vector>
 
 namespace stagewise::runtime {
 
-/// What a message between two stages carries.
+/// What a message between stages carries: a stage's output (activation), the gradient of a
+/// stage's input (gradient), a skip connection's stashed tensor (skip) or its gradient
+/// (skip_grad).
+///   MessageKey k{MessageKind::gradient, /*stage=*/0, /*micro=*/3};
 enum class MessageKind : std::uint8_t { activation, gradient, skip, skip_grad };
 
-/// Names one message of a training step: `kind` for micro-batch `micro`, addressed to the
-/// receiving stage `stage`; `skip` is the skip's index for skip messages (-1 otherwise).
-///   stagewise::runtime::MessageKey{MessageKind::activation, 1, 3}  // stage 1's input, micro 3
+/// Identifies one message of a step: what it is, the stage that receives it, the micro-batch, and
+/// for skip kinds the skip's index in the pipe's skip layout (-1 otherwise).
+///   MessageKey{MessageKind::skip, /*stage=*/2, /*micro=*/0, /*skip=*/1}
 struct MessageKey {
   MessageKind kind;
   int stage;
@@ -25,21 +26,28 @@ struct MessageKey {
   friend bool operator==(const MessageKey&, const MessageKey&) = default;
 };
 
-/// The tensors of one message (elements may be undefined) and whether they were one tensor
-/// rather than a tuple.
+/// Hashes a MessageKey, for unordered containers keyed by message.
+///   std::unordered_map<MessageKey, Message, MessageKeyHash> box;
+struct MessageKeyHash {
+  std::size_t operator()(const MessageKey& k) const noexcept {
+    std::size_t h = static_cast<std::size_t>(k.kind);
+    h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.stage));
+    h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.micro));
+    h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.skip));
+    return h;
+  }
+};
+
+/// What travels: tensors (an element may be undefined, e.g. a missing gradient) and whether the
+/// batch is one tensor (atomic) or a tuple.
+///   Message{{x.detach()}, /*atomic=*/true}
 struct Message {
   std::vector<torch::Tensor> tensors;
   bool atomic = true;
 };
 
-/// A way to move messages between stage workers: `send` never waits for the receiver, `recv`
-/// blocks until the message with that key arrives and returns nothing once the transport was
-/// aborted; `abort(e)` wakes every receiver.
-template <class T>
-concept transport = requires(T& t, const MessageKey& k, Message m, std::exception_ptr e) {
-  t.send(k, std::move(m));
-  { t.recv(k) } -> std::same_as<std::optional<Message>>;
-  t.abort(e);
-};
-
 }  // namespace stagewise::runtime
+
+/// std::hash for MessageKey (the same as MessageKeyHash).
+template <>
+struct std::hash<stagewise::runtime::MessageKey> : stagewise::runtime::MessageKeyHash {};

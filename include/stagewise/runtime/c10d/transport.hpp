@@ -4,6 +4,7 @@
 #include "stagewise/runtime/c10d/header.hpp"
 #include "stagewise/runtime/c10d/local_mailbox.hpp"
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/comms.hpp"
 
 #include <c10/util/Exception.h>

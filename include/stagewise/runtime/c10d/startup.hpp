@@ -1,0 +1,85 @@
+#pragma once
+
+#include "stagewise/runtime/c10d/group.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace stagewise::runtime {
+
+/// What two ranks must agree on about a stage: its parameters' names, dtypes and shapes, e.g.
+/// "0.weight float [8, 4]; 0.bias float [8]".
+///   auto s = stagewise::runtime::stage_signature(*stage_module);
+inline std::string stage_signature(const torch::nn::Module& stage) {
+  std::ostringstream out;
+  bool first = true;
+  for (const auto& p : stage.named_parameters(/*recurse=*/true)) {
+    out << (first ? "" : "; ") << p.key() << " " << c10::toString(p.value().scalar_type()) << " "
+        << p.value().sizes();
+    first = false;
+  }
+  return out.str();
+}
+
+/// Checks, before any step, that the job has one rank per worker of the plan: `workers` ranks,
+/// as many as the schedule puts the stages on.
+///   stagewise::runtime::check_world_size(c, 8, 4);  // interleaved{2}: 8 stages, 4 ranks
+inline void check_world_size(const Connection& c, int stages, int workers) {
+  TORCH_CHECK(c.env.world_size == workers, "stagewise::distributed: the pipe has ", stages,
+              " stages on ", workers, " workers, one per rank, but WORLD_SIZE is ",
+              c.env.world_size, "; start ", workers, " ranks (tools/launch -n ", workers,
+              "), or change the balance or the schedule's virtual stages to fit ", c.env.world_size,
+              " ranks");
+}
+
+/// Checks, before any step, that every rank built the same model: each rank publishes its
+/// signature of every stage (`signatures[j]` for stage j, see `stage_signature`) in the store and
+/// compares them with every other rank's. A difference throws c10::Error on every rank, naming
+/// the rank, the stage and both signatures. `key` tells apart several pipes in one job.
+///   stagewise::runtime::check_same_model(c, {stage_signature(*s0), stage_signature(*s1)});
+inline void check_same_model(const Connection& c, const std::vector<std::string>& signatures,
+                             const std::string& key = "stagewise/model",
+                             std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  std::string mine;
+  for (const auto& s : signatures) mine += s + "\n";
+  c.store->set(key + "/" + std::to_string(c.env.rank),
+               std::vector<std::uint8_t>(mine.begin(), mine.end()));
+  auto lines_of = [&](int r) {
+    const std::string k = key + "/" + std::to_string(r);
+    try {
+      c.store->wait({k}, timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "stagewise::distributed: rank ", r, " did not describe its model within ",
+                  timeout.count(), " ms; every rank must construct the distributed pipe (",
+                  detail::what_of(e), ")");
+    }
+    const auto v = c.store->get(k);
+    std::vector<std::string> lines;
+    std::istringstream in(std::string(v.begin(), v.end()));
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    return lines;
+  };
+  // Every rank compares every rank with rank 0, so that all report the same first difference.
+  const auto reference = lines_of(0);
+  for (int r = 1; r < c.env.world_size; ++r) {
+    const auto other = lines_of(r);
+    TORCH_CHECK(reference.size() == other.size(), "stagewise::distributed: rank 0 built ",
+                reference.size(), " stages but rank ", r, " built ", other.size(),
+                "; every rank must build the same model and balance");
+    for (std::size_t j = 0; j < reference.size(); ++j) {
+      TORCH_CHECK(reference[j] == other[j], "stagewise::distributed: ranks 0 and ", r,
+                  " built different stage ", j, ": rank 0 has {", reference[j], "}, rank ", r,
+                  " has {", other[j], "}; every rank must build the same model and balance");
+    }
+  }
+}
+
+}  // namespace stagewise::runtime
