@@ -25,7 +25,7 @@ using stagewise::testing::RankOutcome;
 using stagewise::testing::run_ranks;
 using namespace std::chrono_literals;
 
-static_assert(rt::transport<rt::C10dTransport<>>);
+static_assert(rt::transport<rt::C10dTransport>);
 static_assert(rt::point_to_point_group<c10d::ProcessGroupGloo>);
 static_assert(!rt::point_to_point_group<int>);
 
@@ -89,7 +89,8 @@ TEST_SUITE("c10d transport") {
         [](int rank) {
           auto c = connected();
           // Stages 0 and 2 on rank 0, stage 1 on rank 1; skip 0 goes from stage 0 to stage 2.
-          rt::C10dTransport<> t(c, rank_of_two, {{0, 2}});
+          rt::C10dTransport t(c, rank_of_two, {{0, 2}});
+          t.begin_step(3, 3, 1);
           if (rank == 0) {
             for (int m = 0; m < 3; ++m) t.send({MessageKind::activation, 1, m}, sample(m));
             t.send({MessageKind::skip, 2, 0, 0}, sample(1));  // local: same rank
@@ -115,15 +116,15 @@ TEST_SUITE("c10d transport") {
         2,
         [](int rank) {
           auto c = connected();
-          rt::C10dTransport<> t(c, rank_of_two);
+          rt::C10dTransport t(c, rank_of_two);
           for (int step = 0; step < 3; ++step) {
+            t.begin_step(2, 1, 0);
             const MessageKey k{MessageKind::activation, 1, 0};
             if (rank == 0) {
               t.send(k, {{torch::full({2}, step)}, true});
             } else {
               expect_equal(t.recv(k).value().tensors[0], torch::full({2}, step), "step value");
             }
-            t.next_step();
           }
         },
         60s);
@@ -137,7 +138,7 @@ TEST_SUITE("c10d transport") {
         3,
         [](int rank) {
           auto c = connected();
-          rt::C10dTransport<> t(
+          rt::C10dTransport t(
               c, [](int s) { return s; }, {}, rt::C10dOptions().timeout(20s));
           const auto start = std::chrono::steady_clock::now();
           if (rank == 2) {
@@ -168,7 +169,7 @@ TEST_SUITE("c10d transport") {
         3,
         [](int rank) {
           auto c = connected();
-          rt::C10dTransport<> t(
+          rt::C10dTransport t(
               c, [](int s) { return s; }, {}, rt::C10dOptions().timeout(20s));
           if (rank == 2) {
             std::this_thread::sleep_for(200ms);
@@ -195,7 +196,7 @@ TEST_SUITE("c10d transport") {
         2,
         [](int rank) {
           auto c = connected();
-          rt::C10dTransport<> t(c, rank_of_two, {}, rt::C10dOptions().timeout(20s));
+          rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(20s));
           if (rank == 0) {
             std::this_thread::sleep_for(200ms);
             ::raise(SIGKILL);
@@ -215,7 +216,7 @@ TEST_SUITE("c10d transport") {
         2,
         [](int rank) {
           auto c = connected();
-          rt::C10dTransport<> t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
+          rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
           // Both wait and nobody sends: a wrong plan would do this.
           const MessageKey k = rank == 0 ? MessageKey{MessageKind::gradient, 0, 0}
                                          : MessageKey{MessageKind::activation, 1, 0};
@@ -237,7 +238,7 @@ TEST_SUITE("c10d transport") {
         2,
         [](int) {
           auto c = connected();
-          rt::C10dTransport<> t(c, rank_of_two);
+          rt::C10dTransport t(c, rank_of_two);
           stagewise::testing::report(error_of([&] {
             t.send({MessageKind::activation, 1, 5000}, {{torch::ones(1)}, true});
           }));

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace stagewise::runtime {
@@ -54,12 +55,14 @@ inline void check_same_model(const Connection& c, const std::vector<std::string>
                std::vector<std::uint8_t>(mine.begin(), mine.end()));
   auto lines_of = [&](int r) {
     const std::string k = key + "/" + std::to_string(r);
-    try {
-      c.store->wait({k}, timeout);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "stagewise::distributed: rank ", r, " did not describe its model within ",
-                  timeout.count(), " ms; every rank must construct the distributed pipe (",
-                  detail::what_of(e), ")");
+    // Polls with check(): a timed-out Store::wait leaves LibTorch 1.13's TCPStore client
+    // expecting a reply that never comes.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!c.store->check({k})) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "stagewise::distributed: rank ", r,
+                  " did not describe its model within ", timeout.count(),
+                  " ms; every rank must construct the distributed pipe");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     const auto v = c.store->get(k);
     std::vector<std::string> lines;

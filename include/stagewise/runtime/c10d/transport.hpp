@@ -2,7 +2,7 @@
 
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/header.hpp"
-#include "stagewise/runtime/c10d/local_mailbox.hpp"
+#include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/comms.hpp"
@@ -22,6 +22,7 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -77,7 +78,7 @@ inline std::string describe(const MessageKey& k) {
 }  // namespace detail
 
 /// Moves messages between the stages of a pipeline whose stages live in several processes:
-/// to a stage of this process through the local mailbox, to another rank over c10d
+/// to a stage of this process through the step's MailboxTransport, to another rank over c10d
 /// point-to-point. A message to another rank is a header (number of tensors, atomic flag, and
 /// per tensor: defined?, dtype, shape) followed by one send per non-empty tensor, all under one
 /// tag derived from the key and the step, so receivers need no shapes in advance and keys
@@ -91,8 +92,8 @@ inline std::string describe(const MessageKey& k) {
 /// nothing.
 ///   auto c = stagewise::runtime::connect(stagewise::runtime::rendezvous_env());
 ///   stagewise::runtime::C10dTransport t(c, [](int stage) { return stage % 2; }, {});
+///   t.begin_step(2, 8, 0);
 ///   t.send({MessageKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
-template <transport Local = detail::LocalMailbox>
 class C10dTransport {
  public:
   /// `rank_of(stage)` places stages on ranks (the plan's `worker_of`); `routes[i]` is skip i's
@@ -129,15 +130,25 @@ class C10dTransport {
   /// This process's rank.
   int rank() const { return group_.rank(); }
 
-  /// Starts a new training step: messages of different steps never match.
-  void next_step() { ++step_; }
+  /// Starts a training step of `stages` stages, `micro_batches` micro-batches and `skips` skip
+  /// routes: messages of different steps never match, and messages between stages of this
+  /// process go through a MailboxTransport made for the step. Call it on every rank, before
+  /// each step.
+  void begin_step(int stages, int micro_batches, int skips) {
+    if (begun_) ++step_;
+    begun_ = true;
+    auto local = std::make_unique<MailboxTransport>(stages, micro_batches, skips);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) local->abort(failure_);
+    local_ = std::move(local);
+  }
 
   /// Sends `m` to stage `k.stage`; returns once the sends are started (never waits for the
   /// receiver). After a failure elsewhere it throws that failure.
   void send(const MessageKey& k, Message m) {
     const int dst = rank_of_(k.stage);
     if (dst == rank()) {
-      local_.send(k, std::move(m));
+      local().send(k, std::move(m));
       return;
     }
     {
@@ -179,7 +190,7 @@ class C10dTransport {
   /// failed rank when another rank failed, died or stalled past the timeout.
   std::optional<Message> recv(const MessageKey& k) {
     const int src = rank_of_(source_stage(k));
-    if (src == rank()) return local_.recv(k);
+    if (src == rank()) return local().recv(k);
     const int tag = tag_of(k);
     auto fixed = torch::empty({detail::kHeaderWords},
                               torch::TensorOptions().dtype(torch::kInt64).device(options_.device_));
@@ -222,7 +233,7 @@ class C10dTransport {
       abort_works_locked();
     }
     wake_.notify_all();
-    local_.abort(e);
+    abort_local(e);
   }
 
  private:
@@ -237,6 +248,18 @@ class C10dTransport {
     MessageKey key;
     std::chrono::steady_clock::time_point deadline;
   };
+
+  MailboxTransport& local() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(local_ != nullptr, "stagewise::C10dTransport: call begin_step(stages, ",
+                "micro_batches, skips) before a step's messages");
+    return *local_;
+  }
+
+  void abort_local(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (local_) local_->abort(e);
+  }
 
   int source_stage(const MessageKey& k) const {
     switch (k.kind) {
@@ -357,7 +380,7 @@ class C10dTransport {
       abort_works_locked();
     }
     wake_.notify_all();
-    local_.abort(failure);
+    abort_local(failure);
   }
 
   // Tells the other ranks (first writer wins); the store may be gone already.
@@ -473,8 +496,9 @@ class C10dTransport {
   std::vector<schedule::SkipRoute> routes_;
   C10dOptions options_;
   std::string abort_key_;
-  Local local_;
   std::atomic<std::int64_t> step_{0};
+  bool begun_ = false;
+  std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
   std::mutex post_;   // one message's sends go out together
   std::mutex mutex_;  // everything below

@@ -1,0 +1,288 @@
+#pragma once
+
+#include "stagewise/core/batch.hpp"
+#include "stagewise/pipe.hpp"
+#include "stagewise/pipe/distributed/detail/step_values.hpp"
+#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/c10d/env.hpp"
+#include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/startup.hpp"
+#include "stagewise/runtime/c10d/transport.hpp"
+#include "stagewise/runtime/program_executor.hpp"
+#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/schedule/comms.hpp"
+#include "stagewise/schedule/concepts.hpp"
+#include "stagewise/schedule/gpipe.hpp"
+#include "stagewise/schedule/plan.hpp"
+#include "stagewise/skip/inspect.hpp"
+#include "stagewise/skip/layout.hpp"
+#include "stagewise/stage/partition.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise::distributed {
+
+/// Options of a distributed pipe, beyond the one-process `PipeOptions`.
+///   stagewise::distributed::Options().virtual_stages(2).timeout(std::chrono::seconds(10))
+struct Options {
+  /// Stages per rank: 1 (default; GPipe, 1F1B, ZB-H1) or v for `interleaved_one_f_one_b{v}`,
+  /// which runs stages r, r + K, ... on rank r of K.
+  Options& virtual_stages(int v) {
+    virtual_stages_ = v;
+    return *this;
+  }
+  /// How long a rank waits for a message, and for the others at start-up (default 30 s): after
+  /// it, every rank fails with an error naming the rank that did not answer.
+  Options& timeout(std::chrono::milliseconds t) {
+    transport_.timeout(t);
+    connect_.timeout = t;
+    return *this;
+  }
+  /// The transport's options (poll interval, device of received tensors, store key prefix).
+  Options& transport(runtime::C10dOptions t) {
+    transport_ = std::move(t);
+    return *this;
+  }
+  /// The backend `connect` builds when the pipe rendezvouses itself (Gloo by default).
+  Options& backend(runtime::Backend b) {
+    connect_.backend = b;
+    return *this;
+  }
+
+  int virtual_stages_ = 1;
+  runtime::C10dOptions transport_;
+  runtime::ConnectOptions connect_;
+};
+
+/// A pipeline whose stages live in separate processes (ranks), on one machine or several: every
+/// rank builds the same torch::nn::Sequential and balance and calls the same `train_step`; each
+/// keeps only its own stages (stage j on rank j % K for K ranks) and runs them with the same
+/// execution core as the one-process `Pipe`, exchanging activations, gradients and skip tensors
+/// over c10d. Rank placement, world size and the model's shapes are checked before any step, and
+/// each step's communication is verified deadlock-free (`schedule::verify_comms`).
+///   // every rank, started by tools/launch -n 2 (or torchrun):
+///   auto pipe = stagewise::distributed::Pipe(seq, sw::balance{2, 2}, sw::PipeOptions().chunks(8));
+///   auto loss = pipe.train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // on every rank
+class Pipe {
+ public:
+  /// Rendezvouses from the environment (`torchrun`'s MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+  /// LOCAL_RANK) and builds this rank's stages of `seq` split by `b`.
+  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {},
+       Options dist = {})
+      : Pipe(runtime::connect(runtime::rendezvous_env(), dist.connect_), seq, b, std::move(options),
+             std::move(dist)) {}
+
+  /// Builds this rank's stages over a job the caller already joined (`runtime::connect`, or a
+  /// Connection over the caller's own process group and store).
+  Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
+       PipeOptions options = {}, Options dist = {})
+      : connection_(std::move(connection)),
+        options_(std::move(options)),
+        dist_(std::move(dist)),
+        prefix_(dist_.transport_.prefix_) {
+    auto specs = ::stagewise::detail::partition(seq, b);
+    const int n = static_cast<int>(specs.size());
+    const int v = dist_.virtual_stages_;
+    TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
+                " stages do not split into ", v, " virtual stages per rank; give a balance with a ",
+                "multiple of ", v, " entries or change Options::virtual_stages");
+    workers_ = n / v;
+    runtime::check_world_size(connection_, n, workers_);
+    {
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      for (const auto& spec : specs) modules.push_back(spec.module);
+      skips_ = std::make_shared<const ::stagewise::detail::SkipLayout>(
+          ::stagewise::detail::skip_layout_of(modules));
+    }
+    std::vector<std::string> signatures;
+    for (const auto& spec : specs) {
+      signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
+    }
+    runtime::check_same_model(connection_, signatures, prefix_ + "/model", dist_.connect_.timeout);
+    const auto& devices = options_.devices();
+    for (int j = 0; j < n; ++j) {
+      if (j % workers_ != rank()) {
+        stages_.push_back(nullptr);  // another rank's: its parameters are dropped here
+        continue;
+      }
+      const auto k = static_cast<std::size_t>(j);
+      const torch::Device device = devices.size() > k ? devices[k] : torch::Device(torch::kCPU);
+      if (specs[k].module && device.type() != torch::kCPU) specs[k].module->to(device);
+      if (specs[k].module) modules_.push_back(specs[k].module);
+      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), device));
+    }
+    std::vector<schedule::SkipRoute> routes;
+    for (const auto& r : skips_->routes()) {
+      routes.push_back({static_cast<int>(r.stash_stage), static_cast<int>(r.pop_stage)});
+    }
+    routes_ = routes;
+    const int workers = workers_;
+    transport_ = std::make_unique<runtime::C10dTransport>(
+        connection_, [workers](int stage) { return stage % workers; }, std::move(routes),
+        dist_.transport_);
+  }
+
+  /// One training step on every rank, as `Pipe::train_step` does in one process: the rank of
+  /// the first stage gives `input`, the rank of the last stage gives `target` (the others may
+  /// pass undefined tensors); every rank returns the mini-batch's loss. Gradients accumulate in
+  /// this rank's stages' parameters. Every rank must pass the same schedule.
+  ///   auto loss = pipe.train_step(x, y, loss_fn, stagewise::schedule::gpipe{});
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           const Schedule& sched = {}) {
+    return run(input, target, std::move(loss_fn), sched, nullptr);
+  }
+
+  /// train_step for one input tensor and one target tensor.
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, const Schedule& sched = {}) {
+    return run(Batch(input), Batch(target), std::move(loss_fn), sched, nullptr);
+  }
+
+  /// train_step with the optimizer step fused into backward, per stage of this rank (e.g.
+  /// `optim::FusedStep` over `parameters()`): equal, bit for bit, to train_step followed by the
+  /// unfused optimizer's step.
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {}) {
+    torch::Tensor loss;
+    try {
+      loss = run(Batch(input), Batch(target), std::move(loss_fn), sched,
+                 [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); });
+    } catch (...) {
+      fused.reset_step();
+      throw;
+    }
+    fused.finish_step();
+    return loss;
+  }
+
+  /// This process's rank and the number of ranks.
+  int rank() const { return connection_.env.rank; }
+  int world_size() const { return connection_.env.world_size; }
+  /// Number of stages of the whole pipe.
+  int num_stages() const { return static_cast<int>(stages_.size()); }
+  /// Whether stage `j` runs on this rank.
+  bool has_stage(int j) const {
+    return j >= 0 && j < num_stages() && stages_[static_cast<std::size_t>(j)] != nullptr;
+  }
+  /// The parameters of this rank's stages (give them to this rank's optimizer).
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& m : modules_) {
+      for (auto& p : m->parameters()) out.push_back(p);
+    }
+    return out;
+  }
+  /// This rank's stage modules, in stage order.
+  const std::vector<std::shared_ptr<torch::nn::Module>>& modules() const { return modules_; }
+  /// Train or eval mode for this rank's stages (checkpointing runs only in training).
+  void train(bool on = true) {
+    training_ = on;
+    for (auto& m : modules_) m->train(on);
+  }
+
+ private:
+  template <class Schedule>
+  torch::Tensor run(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                    const Schedule& sched, const std::function<void(int)>& before) {
+    TORCH_CHECK(torch::GradMode::is_enabled(),
+                "stagewise::distributed::Pipe::train_step: grad mode is off (a NoGradGuard is "
+                "active); train_step computes gradients, so call it with grad enabled");
+    const int n = num_stages();
+    TORCH_CHECK(schedule::workers_of(sched, n) == workers_,
+                "stagewise::distributed::Pipe::train_step: the schedule runs the ", n,
+                " stages on ", schedule::workers_of(sched, n),
+                " workers but the pipe was built for ", workers_,
+                " ranks (Options::virtual_stages ", dist_.virtual_stages_,
+                "); build the pipe with the schedule's stages per rank");
+    const bool first = has_stage(0), last = has_stage(n - 1);
+    runtime::TrainStep step;
+    if (first) step.inputs = scatter(input, options_.chunks());
+    if (last) step.targets = scatter(target, options_.chunks());
+    TORCH_CHECK(!first || !last || step.inputs.size() == step.targets.size(),
+                "stagewise::distributed::Pipe::train_step: input and target split into ",
+                step.inputs.size(), " and ", step.targets.size(),
+                " micro-batches; give them the same number of rows");
+    // The first stage's rank decides the number of micro-batches; the others learn it.
+    const std::string key = prefix_ + "/step/" + std::to_string(steps_);
+    int m = 0;
+    if (first) {
+      m = static_cast<int>(step.inputs.size());
+      detail::publish_int(connection_, key + "/m", m);
+    } else {
+      m = detail::wait_int(connection_, key + "/m", dist_.transport_, rank(), 0);
+    }
+    TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m,
+                "stagewise::distributed::Pipe::train_step: the input on rank 0 splits into ", m,
+                " micro-batches but the target on rank ", rank(), " into ", step.targets.size(),
+                "; give them the same number of rows");
+    if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+    if (last) {
+      const double rows = static_cast<double>(target[0].size(0));
+      for (const auto& b : step.targets) {
+        step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
+      }
+    } else {
+      step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+      step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
+    }
+    step.loss_fn = std::move(loss_fn);
+    step.training = training_;
+    step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
+    const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
+    schedule::verify_comms(plan, routes_);
+    if (!skips_->empty()) {
+      for (const auto& program : plan.programs) {
+        for (const auto& a : program) {
+          TORCH_CHECK(a.kind != schedule::ActionKind::input_grad,
+                      "stagewise::distributed::Pipe::train_step: skip connections do not work "
+                      "with a split backward (zero_bubble_h1) yet; use gpipe, one_f_one_b or "
+                      "interleaved_one_f_one_b with this pipe");
+        }
+      }
+      step.skips = std::make_shared<::stagewise::detail::TrainSkips>(skips_, stages_.size(),
+                                                                     static_cast<std::size_t>(m));
+    }
+    if (before) before(m);
+    transport_->begin_step(n, m, static_cast<int>(routes_.size()));
+    std::vector<runtime::Worker*> workers(static_cast<std::size_t>(workers_), nullptr);
+    workers[static_cast<std::size_t>(rank())] = &stages_[static_cast<std::size_t>(rank())]->worker;
+    torch::Tensor loss = runtime::run_programs(stages_, plan, step, *transport_, workers);
+    // The last stage's rank has the loss; every rank returns it.
+    const int last_rank = (n - 1) % workers_;
+    if (last) {
+      detail::publish_tensor(connection_, key + "/loss", loss);
+    } else {
+      loss = detail::wait_tensor(connection_, key + "/loss", dist_.transport_, rank(), last_rank);
+    }
+    detail::forget_step(connection_, prefix_ + "/step/" + std::to_string(steps_ - 2), first, last);
+    ++steps_;
+    return loss;
+  }
+
+  runtime::Connection connection_;
+  PipeOptions options_;
+  Options dist_;
+  std::string prefix_;
+  int workers_ = 1;
+  bool training_ = true;
+  std::int64_t steps_ = 0;
+  std::shared_ptr<const ::stagewise::detail::SkipLayout> skips_;
+  std::vector<schedule::SkipRoute> routes_;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;
+  std::unique_ptr<runtime::C10dTransport> transport_;  // last: stops before the stages go
+};
+
+}  // namespace stagewise::distributed
