@@ -117,13 +117,16 @@ mount_all() {
   fi
 }
 
+# Runs a command in chroot $1 with a clean environment; `exec`s, so in the background its process
+# id is the command's own (a signal reaches it, not a shell around it).
 in_chroot() {
   local dir=$1
   shift
-  chroot "$dir" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+  exec chroot "$dir" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin CI="${CI:-}" \
     DEBIAN_FRONTEND=noninteractive "$@"
 }
+chrooted() { (in_chroot "$@"); }
 
 # Safety: a tree is removed only when nothing is mounted below it (a bind-mounted checkout would be
 # deleted with it), and never across file systems.
@@ -153,9 +156,9 @@ build_chroot() {
   building=$new
   mount_all "$new"
   log "installing ${packages[*]}"
-  in_chroot "$new" apt-get update -q >&2
-  in_chroot "$new" apt-get install -y -q --no-install-recommends "${packages[@]}" >&2
-  in_chroot "$new" apt-get clean
+  chrooted "$new" apt-get update -q >&2
+  chrooted "$new" apt-get install -y -q --no-install-recommends "${packages[@]}" >&2
+  chrooted "$new" apt-get clean
   unmount_all "$new"
   building=""
   echo "$stamp" >"$new/.stagewise-stamp"
@@ -170,11 +173,15 @@ child=""
 cleanup() {
   local rc=$?
   set +e
-  # An interrupted run: the command in the chroot goes first (TERM: a background job ignores
-  # INT); the Bazel client then cancels its build.
-  [[ -n $child ]] && kill -TERM "$child" 2>/dev/null && wait "$child" 2>/dev/null
+  # An interrupted run: the command in the chroot goes first. Bazel's client cancels its build on
+  # INT (it installs its own handler); whatever ignores INT gets TERM ten seconds later.
+  if [[ -n $child ]] && kill -INT "$child" 2>/dev/null; then
+    for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$child" 2>/dev/null || break; sleep 1; done
+    kill -TERM "$child" 2>/dev/null
+    wait "$child" 2>/dev/null
+  fi
   if ((running)); then
-    in_chroot "$root" /bin/sh -c "cd $inside && bazel shutdown" >/dev/null 2>&1
+    chrooted "$root" /bin/sh -c "cd $inside && bazel shutdown" >/dev/null 2>&1
     end_chroot_processes "$root"
     unmount_all "$root"
   fi
@@ -206,7 +213,7 @@ fi
 running=1
 mount_all "$root" "$repo" "$cuda"
 if [[ $mode == shell ]]; then
-  in_chroot "$root" /bin/bash -c "cd $inside && exec bash -i"
+  chrooted "$root" /bin/bash -c "cd $inside && exec bash -i"
   exit
 fi
 # The command runs in the background and the script waits for it, so that a TERM or INT sent to
@@ -221,7 +228,7 @@ fi
 # --spawn_strategy=local: Bazel's Linux sandbox needs namespaces a chroot may not offer.
 [[ ${bazel_args[0]} == test || ${bazel_args[0]} == build || ${bazel_args[0]} == run ]] &&
   extra=(--symlink_prefix=/ --spawn_strategy=local) || extra=()
-in_chroot "$root" /bin/bash -c 'cd "$0" && ./bazelw "$@"' "$inside" "${bazel_args[0]}" \
+in_chroot "$root" /bin/bash -c 'cd "$0" && exec ./bazelw "$@"' "$inside" "${bazel_args[0]}" \
   "${extra[@]}" "${bazel_args[@]:1}" &
 child=$!
 wait "$child"
