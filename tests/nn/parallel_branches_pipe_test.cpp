@@ -10,16 +10,13 @@ namespace sw = stagewise;
 
 namespace {
 
-torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
-  return torch::mse_loss(o, t);
-}
+torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); }
 
 // A stage whose middle is two experts run by ParallelBranches, summed.
 struct MoeStageImpl : torch::nn::Module {
   MoeStageImpl() {
     in = register_module("in", torch::nn::Linear(6, 8));
-    experts = register_module(
-        "experts", sw::ParallelBranches(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)));
+    experts = register_module("experts", sw::ParallelBranches(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)));
   }
   torch::Tensor forward(torch::Tensor x) {
     auto h = torch::relu(in->forward(x));
@@ -40,8 +37,7 @@ std::vector<torch::Tensor> grads(torch::nn::Module& m) {
 }  // namespace
 
 TEST_SUITE("parallel branches in the pipeline") {
-  TEST_CASE(
-      "inside a pipeline stage, every checkpoint mode: gradients equal the unpipelined model") {
+  TEST_CASE("inside a pipeline stage, every checkpoint mode: gradients equal the unpipelined model") {
     for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
       torch::manual_seed(8);
       MoeStage moe;
@@ -51,8 +47,7 @@ TEST_SUITE("parallel branches in the pipeline") {
       // Unpipelined on the same micro-batches, backward in reverse order as each stage runs it.
       std::vector<torch::Tensor> losses;
       for (std::size_t i = 0; i < 3; ++i) {
-        losses.push_back(mse(head->forward(moe->forward(x.chunk(3)[i])), t.chunk(3)[i]) *
-                         (2.0 / 6.0));
+        losses.push_back(mse(head->forward(moe->forward(x.chunk(3)[i])), t.chunk(3)[i]) * (2.0 / 6.0));
       }
       for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
       auto expected = grads(*moe);
@@ -62,8 +57,7 @@ TEST_SUITE("parallel branches in the pipeline") {
       pipe->train_step(x, t, mse);
       auto got = grads(*moe);
       REQUIRE(got.size() == expected.size());
-      for (std::size_t k = 0; k < got.size(); ++k)
-        CHECK(torch::allclose(got[k], expected[k], 1e-6, 1e-7));
+      for (std::size_t k = 0; k < got.size(); ++k) CHECK(torch::allclose(got[k], expected[k], 1e-6, 1e-7));
     }
   }
 

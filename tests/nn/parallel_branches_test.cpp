@@ -18,8 +18,8 @@
 
 namespace sw = stagewise;
 
-using stagewise::testing::contains;
 using stagewise::testing::error_of;
+using stagewise::testing::contains;
 
 namespace {
 
