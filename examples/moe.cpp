@@ -139,8 +139,8 @@ int main() {
     std::printf("step %2zu loss: standard %.5f stagewise %.5f\n", s, standard.losses[s],
                 stagewise.losses[s]);
   }
-  std::printf("peak memory: standard %.2f MiB, stagewise %.2f MiB\n", standard.peak_mib,
-              stagewise.peak_mib);
+  std::printf("peak tensor memory: standard %.0f KiB, stagewise %.0f KiB\n",
+              standard.peak_mib * 1024, stagewise.peak_mib * 1024);
   std::printf("step time (median): standard %.1f ms, stagewise %.1f ms\n", standard.step_ms,
               stagewise.step_ms);
   const bool learned = standard.losses.back() < standard.losses.front() * 0.8 &&
