@@ -1,11 +1,13 @@
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/schedule/chrome_trace.hpp"
+#include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
 #include "tests/support/wellformed.hpp"
@@ -104,6 +106,29 @@ TEST_SUITE("chrome trace") {
         "{\"name\":\"F0\",\"cat\":\"forward\",\"ph\":\"X\",\"pid\":0,\"tid\":0,\"ts\":0.000,"
         "\"dur\":1000.000,\"args\":{\"stage\":0,\"micro\":0}}"));
     CHECK_FALSE(valid_json(json.substr(0, json.size() - 3)));
+  }
+
+  TEST_CASE("V-shaped schedules draw two stages per worker track, the way up paler") {
+    auto sim = sched::simulate(sched::zero_bubble_v{}, 4, 4);
+    auto json = sched::to_chrome_trace(sim.timeline);
+    CHECK(valid_json(json));
+    CHECK(count(json, "\"ph\":\"M\"") == 2);
+    CHECK(count(json, "\"ph\":\"X\"") == sim.timeline.actions.size());
+    // Worker 0 runs stages 0 and 3, worker 1 stages 1 and 2.
+    CHECK(
+        contains(json, "\"tid\":0,\"ts\":0.000,\"dur\":1.000,\"args\":{\"stage\":0,\"micro\":0}"));
+    CHECK(count(json, "\"tid\":0,") ==
+          count(json, "\"stage\":0,") + count(json, "\"stage\":3,") + 1);
+    auto dual = sched::simulate(sched::dualpipe_v{}, 4, 4);
+    auto svg = sched::to_svg(dual.timeline, {.title = "DualPipeV"});
+    CHECK(balanced_xml(svg));
+    CHECK(count(svg, "<rect") == dual.timeline.actions.size());
+    CHECK(contains(svg, ">worker 1<"));
+    CHECK_FALSE(contains(svg, ">worker 2<"));
+    // Stages 2 and 3 (the way up) are drawn paler.
+    std::size_t up = 0;
+    for (const auto& a : dual.timeline.actions) up += a.action.stage >= 2;
+    CHECK(count(svg, "fill-opacity=\"0.6\"") == up);
   }
 
   TEST_CASE("write_chrome_trace writes the file and names a bad path") {
