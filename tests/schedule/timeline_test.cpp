@@ -50,6 +50,21 @@ TEST_SUITE("timeline") {
     CHECK(t.busy(0) == 3.0);
     CHECK(t.bubble() == doctest::Approx(0.5));
     CHECK(sched::Timeline{}.bubble() == 0.0);
+    CHECK(t.waiting(0) == 0.0);  // none recorded
+    t.actions[1].waited = 1.0;
+    t.actions[3].waited = 2.0;
+    CHECK(t.waiting(1) == 1.0);
+    CHECK(t.waiting_share() == doctest::Approx(3.0 / 12.0));
+  }
+
+  TEST_CASE("a simulation records each action's wait: 1F1B waits only in fill and drain") {
+    auto sim = sched::simulate(sched::one_f_one_b{}, 2, 2);
+    // Worker 1 waits 1 for F0; worker 0 waits 2 for B0's gradient and 1 for B1's.
+    CHECK(sim.timeline.waiting(1) == 1.0);
+    CHECK(sim.timeline.waiting(0) == 3.0);
+    CHECK(sim.timeline.waiting_share() == doctest::Approx(4.0 / 18.0));
+    // The bubble also counts worker 1's idle time after its last action.
+    CHECK(sim.bubble() == doctest::Approx(6.0 / 18.0));
   }
 }
 
