@@ -44,7 +44,9 @@ struct Result {
   double max_ms = 0;
   double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
   double activation_mib = 0;  // above what was alive before the step
-  double bubble_measured = 0;
+  // Bubbles as the share of the workers' time spent waiting for messages (Timeline::waiting_share)
+  double bubble_measured = 0;    // from a recorded step
+  double idle_measured = 0;      // all idle time of a recorded step (Timeline::bubble)
   double bubble_unit = 0;        // simulator, T_F = T_B = T_W
   double bubble_calibrated = 0;  // simulator, with the mean measured cost of each action kind
   int cells = 0;                 // simulator: most (micro-batch, stage) cells alive at once
@@ -114,10 +116,11 @@ void measure(std::vector<Candidate>& cs, int rounds) {
     r.activation_mib = double(memory.peak() - base) / (1 << 20);
     sched::Timeline timeline;
     c.step(&timeline);
-    r.bubble_measured = timeline.bubble();
+    r.bubble_measured = timeline.waiting_share();
+    r.idle_measured = timeline.bubble();
     r.mean_ms = mean_ms(timeline);
     const auto unit = c.simulate(sched::Costs{});
-    r.bubble_unit = unit.bubble();
+    r.bubble_unit = unit.timeline.waiting_share();
     r.cells = unit.total_peak_in_flight;
     sched::Costs costs;
     costs.forward = r.mean_ms['F'];
@@ -128,7 +131,7 @@ void measure(std::vector<Candidate>& cs, int rounds) {
       costs.input_grad = r.mean_ms['B'] / 2;  // only B = T_B + T_W matters here
       costs.weight_grad = r.mean_ms['B'] / 2;
     }
-    r.bubble_calibrated = c.simulate(costs).bubble();
+    r.bubble_calibrated = c.simulate(costs).timeline.waiting_share();
   }
 }
 
@@ -194,18 +197,19 @@ std::string blas() {
 }
 
 void header() {
-  std::printf("  %-24s %8s %8s %8s %9s %8s %6s | %8s %8s %8s | %s\n", "schedule", "median", "min",
-              "max ms", "peak MiB", "act MiB", "cells", "sim T=1", "sim cal.", "measured",
-              "mean ms per action");
+  std::printf("  %-24s %8s %8s %8s %9s %8s %6s | %8s %8s %8s %8s | %s\n", "schedule", "median",
+              "min", "max ms", "peak MiB", "act MiB", "cells", "sim T=1", "sim cal.", "measured",
+              "idle", "mean ms per action");
 }
 
 void row(const std::string& name, const Result& r) {
   std::ostringstream costs;
   costs.precision(3);
   for (const auto& [k, ms] : r.mean_ms) costs << k << "=" << ms << " ";
-  std::printf("  %-24s %8.2f %8.2f %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f | %s\n", name.c_str(),
-              r.step_ms, r.min_ms, r.max_ms, r.peak_mib, r.activation_mib, r.cells, r.bubble_unit,
-              r.bubble_calibrated, r.bubble_measured, costs.str().c_str());
+  std::printf("  %-24s %8.2f %8.2f %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f %8.3f | %s\n",
+              name.c_str(), r.step_ms, r.min_ms, r.max_ms, r.peak_mib, r.activation_mib, r.cells,
+              r.bubble_unit, r.bubble_calibrated, r.bubble_measured, r.idle_measured,
+              costs.str().c_str());
 }
 
 }  // namespace
@@ -235,9 +239,9 @@ int main() {
       "stage) cells alive at once over the whole pipe\n",
       params_mib);
   std::printf(
-      "bubble (idle share of the workers' time): simulator with T_F = T_B = T_W, simulator with "
-      "the mean "
-      "measured cost of each action kind, measured from a recorded timeline\n");
+      "bubble = share of the workers' time spent waiting for a message (activation or gradient): "
+      "simulator with T_F = T_B = T_W,\nsimulator fed the mean measured cost of each action kind, "
+      "measured from a recorded step; idle = all idle time of the recorded step\n");
   std::printf("cores: %u; LibTorch %s; BLAS: %s\n", std::thread::hardware_concurrency(),
               TORCH_VERSION, blas().c_str());
   std::printf("load average at start: %s\n", load().c_str());
