@@ -169,14 +169,6 @@ class PipeImpl : public torch::nn::Module {
     const auto plan =
         schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (!skips_->empty()) {
-      for (const auto& program : plan.programs) {
-        for (const auto& a : program) {
-          TORCH_CHECK(a.kind != schedule::ActionKind::input_grad,
-                      "stagewise::Pipe::train_step: skip connections do not work with a split "
-                      "backward (input_grad / weight_grad, as in zero_bubble_h1) yet; use gpipe, "
-                      "one_f_one_b or interleaved_one_f_one_b with this pipe");
-        }
-      }
       step.skips =
           std::make_shared<detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
     }
