@@ -1,21 +1,21 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/core/stage_spec.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/runtime/train_skips.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/skip/inspect.hpp"
 #include "stagewise/skip/layout.hpp"
-#include "stagewise/skip/train_skips.hpp"
 #include "stagewise/skip/verify.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/stage_list.hpp"
-#include "stagewise/stage/stage_spec.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -62,8 +62,8 @@ class PipeImpl : public torch::nn::Module {
       skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
     }
     const auto& devices = options_.devices();
-    TORCH_CHECK(devices.empty() || devices.size() >= specs.size(), "stagewise::Pipe: ",
-                specs.size(), " stages but only ", devices.size(),
+    TORCH_CHECK(devices.empty() || devices.size() >= specs.size(),
+                "stagewise::Pipe: ", specs.size(), " stages but only ", devices.size(),
                 " devices; give one device per stage (devices may repeat, e.g. torch::kCPU for "
                 "all), or fewer stages");
     for (std::size_t k = 0; k < specs.size(); ++k) {
@@ -121,9 +121,9 @@ class PipeImpl : public torch::nn::Module {
     torch::Tensor loss;
     try {
       // Every stage back-propagates each micro-batch once, whatever the checkpoint mode.
-      loss = run_train_step(input, target, std::move(loss_fn), sched,
-                            [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); },
-                            timeline);
+      loss = run_train_step(
+          input, target, std::move(loss_fn), sched,
+          [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); }, timeline);
     } catch (...) {
       fused.reset_step();
       throw;
@@ -156,7 +156,8 @@ class PipeImpl : public torch::nn::Module {
                 "stagewise::Pipe::train_step: input and target split into ", step.inputs.size(),
                 " and ", step.targets.size(), " micro-batches; give them the same number of rows");
     const double rows = static_cast<double>(input[0].size(0));
-    for (const auto& b : step.inputs) step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
+    for (const auto& b : step.inputs)
+      step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
     step.loss_fn = std::move(loss_fn);
     step.training = is_training();
     const int m = static_cast<int>(step.inputs.size());
@@ -172,15 +173,21 @@ class PipeImpl : public torch::nn::Module {
                       "one_f_one_b or interleaved_one_f_one_b with this pipe");
         }
       }
-      step.skips = std::make_shared<detail::TrainSkips>(skips_, stages_.size(),
-                                                        static_cast<std::size_t>(m));
+      step.skips =
+          std::make_shared<detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
     }
     if (before) before(m);
-    return runtime::run_programs(stages_, plan, step, timeline);
+    // The pipe's worker pool: plan.workers threads. In one process a plan never has more workers
+    // than stages, so the pool is the stages' own threads (worker w on stage w's thread).
+    TORCH_CHECK(plan.workers <= static_cast<int>(stages_.size()),
+                "stagewise::Pipe::train_step: the schedule plans ", plan.workers, " workers for ",
+                stages_.size(), " stages; a pipe runs at most one worker per stage");
+    std::vector<runtime::Worker*> workers(static_cast<std::size_t>(plan.workers));
+    for (std::size_t w = 0; w < workers.size(); ++w) workers[w] = &stages_[w]->worker;
+    return runtime::run_programs(stages_, plan, step, workers, timeline);
   }
 
  public:
-
   /// train_step for one input tensor and one target tensor.
   template <schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
@@ -266,7 +273,8 @@ class PipeImpl : public torch::nn::Module {
 /// `pipe->train_step(...)`, `pipe->parameters()`.
 ///   auto pipe = stagewise::Pipe(stagewise::stages(embed, blocks, head),
 ///                               stagewise::PipeOptions().chunks(8));
-///   auto pipe2 = stagewise::Pipe(seq, stagewise::balance{2, 3, 1}, stagewise::PipeOptions().chunks(4));
+///   auto pipe2 = stagewise::Pipe(seq, stagewise::balance{2, 3, 1},
+///   stagewise::PipeOptions().chunks(4));
 template <class... S>
 class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
  public:
@@ -289,8 +297,8 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
 
   /// A pipeline over `seq`, split into stages of `b[k]` consecutive layers.
   template <class... T>
-    requires(sizeof...(S) == 0 && sizeof...(T) == 0)
-  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
+  requires(sizeof...(S) == 0 && sizeof...(T) == 0)
+      Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
             detail::partition(seq, b), std::move(options), layers_of(seq))) {}
 
@@ -302,7 +310,8 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
     }
     return out;
   }
-  static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(const torch::nn::Sequential& seq) {
+  static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(
+      const torch::nn::Sequential& seq) {
     return seq->children();
   }
 };

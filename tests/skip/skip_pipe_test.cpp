@@ -1,5 +1,5 @@
 #include "stagewise/pipe.hpp"
-#include "stagewise/skip/portal_tracker.hpp"
+#include "stagewise/runtime/portal_tracker.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/stage/seq.hpp"
 

@@ -1,6 +1,6 @@
 #include "stagewise/pipe.hpp"
 #include "stagewise/skip/layout.hpp"
-#include "stagewise/skip/portal_tracker.hpp"
+#include "stagewise/runtime/portal_tracker.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/skip/verify.hpp"
 #include "stagewise/stage/seq.hpp"

@@ -39,7 +39,8 @@ def compile_fail_test(name, src):
         srcs = ["//tools/bazel:compile_fail.sh"],
         args = ["$(location %s)" % src],
         data = [src, "//:headers"],
-        size = "small",
+        # A compiler run over LibTorch's headers: tens of seconds on a loaded 2-core machine.
+        size = "medium",
     )
 
 def sw_example(name, deps = [], **kwargs):

@@ -1,21 +1,18 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/dependency.hpp"
-#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/fan_out.hpp"
+#include "stagewise/runtime/forward_skips.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/clock.hpp"
-#include "stagewise/skip/forward_skips.hpp"
 #include "stagewise/skip/layout.hpp"
 
-#include <ATen/ThreadLocalState.h>
 #include <torch/types.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -25,9 +22,12 @@ namespace stagewise::runtime {
 inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
   if (!training || !torch::GradMode::is_enabled()) return 0;  // eval / no-grad: nothing to replay
   switch (mode) {
-    case Checkpoint::always: return m;
-    case Checkpoint::except_last: return m - 1;
-    case Checkpoint::never: return 0;
+    case Checkpoint::always:
+      return m;
+    case Checkpoint::except_last:
+      return m - 1;
+    case Checkpoint::never:
+      return 0;
   }
   return 0;
 }
@@ -38,24 +38,19 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
 /// i-1's value is forked and joined into micro-batch i's, so backward on each stage runs the
 /// micro-batches in the order m-1 .. 0. A stage's exception is rethrown unchanged after its
 /// cycle; later cycles never run. `skips` routes the skip connections (through portals).
-inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages, const Batch& input,
-                              int64_t chunks, Checkpoint mode, bool training,
+inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                              const Batch& input, int64_t chunks, Checkpoint mode, bool training,
                               std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
   std::vector<Batch> batches = scatter(input, chunks);
   const int m = static_cast<int>(batches.size());
   const int n = static_cast<int>(stages.size());
   const int64_t stop = checkpoint_stop(mode, m, training);
   const bool replay = stop > 0;
-  const at::ThreadLocalState state;  // the caller's grad mode, autocast, ... for the workers
   ::stagewise::detail::ForwardSkips portals(std::move(skips), batches.size());
 
-  struct Slot {
-    std::optional<Batch> out;
-    std::exception_ptr error;
-  };
-  std::mutex mutex;
-  std::condition_variable done;
-
+  std::vector<std::optional<Batch>> outs(static_cast<std::size_t>(n));
+  std::vector<Worker*> workers;
+  workers.reserve(static_cast<std::size_t>(n));
   for (const auto& cycle : schedule::clock_cycles(m, n)) {
     for (const auto& c : cycle) {
       auto& b = batches[c.micro];
@@ -65,39 +60,20 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
         prev.set(0, kept);
         b.set(0, join(b[0], phony));
       }
-      if (c.stage != 0) b = stages[c.stage]->receive(b, *stages[c.stage - 1], c.micro);
+      if (c.stage != 0) b = stages[c.stage]->receive(b, stages[c.stage - 1].get(), c.micro);
       portals.copy_into(b, c.micro, c.stage, stages);
     }
-    std::vector<Slot> slots(cycle.size());
-    std::size_t pending = cycle.size();
-    for (std::size_t k = 0; k < cycle.size(); ++k) {
+    workers.clear();
+    for (const auto& c : cycle) workers.push_back(&stages[c.stage]->worker);
+    fan_out(workers, [&](std::size_t k) {
       const auto c = cycle[k];
-      StageRuntime& stage = *stages[c.stage];
-      stage.worker.post([&, k, c] {
-        try {
-          at::ThreadLocalStateGuard guard(state);
-          slots[k].out.emplace(stage.run(batches[c.micro], c.micro < stop, replay, training,
-                                         portals.wrapper(c.micro, c.stage)));
-        } catch (...) {
-          slots[k].error = std::current_exception();
-        }
-        std::lock_guard<std::mutex> lock(mutex);
-        if (--pending == 0) done.notify_one();
-      });
-    }
-    {
-      std::unique_lock<std::mutex> lock(mutex);
-      done.wait(lock, [&] { return pending == 0; });
-    }
-    std::exception_ptr first;
+      outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, replay, training,
+                                           portals.wrapper(c.micro, c.stage)));
+    });
     for (std::size_t k = 0; k < cycle.size(); ++k) {
-      if (slots[k].error) {
-        if (!first) first = slots[k].error;
-      } else {
-        batches[cycle[k].micro] = std::move(*slots[k].out);
-      }
+      batches[cycle[k].micro] = std::move(*outs[k]);
+      outs[k].reset();
     }
-    if (first) std::rethrow_exception(first);
   }
   return gather(batches);
 }

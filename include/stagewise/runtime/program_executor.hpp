@@ -4,26 +4,28 @@
 #include "stagewise/core/checkpoint_state.hpp"
 #include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
+#include "stagewise/runtime/fan_out.hpp"
+#include "stagewise/runtime/mailbox_transport.hpp"
+#include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/runtime/train_skips.hpp"
+#include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/timeline.hpp"
-#include "stagewise/skip/train_skips.hpp"
 
-#include <ATen/ThreadLocalState.h>
 #include <torch/autograd.h>
 #include <torch/types.h>
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,68 +34,6 @@ namespace stagewise::runtime {
 using loss_fn_t = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>;
 
 namespace detail {
-
-// Messages between stage workers: activations forward, gradients backward. Any failure sets
-// `aborted` and wakes everyone, so no worker waits for a message that will never come.
-class Mailboxes {
- public:
-  Mailboxes(int n, int m) : m_(m), acts_(n * m), grads_(n * m), wake_(n) {}
-
-  void post_activation(int stage, int micro, Batch b) {
-    post(stage, [&] { acts_[index(stage, micro)].emplace(std::move(b)); });
-  }
-  void post_gradient(int stage, int micro, std::vector<torch::Tensor> g) {
-    post(stage, [&] { grads_[index(stage, micro)].emplace(std::move(g)); });
-  }
-  std::optional<Batch> take_activation(int stage, int micro) {
-    return take(stage, acts_[index(stage, micro)]);
-  }
-  std::optional<std::vector<torch::Tensor>> take_gradient(int stage, int micro) {
-    return take(stage, grads_[index(stage, micro)]);
-  }
-
-  void abort(std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = e;
-      aborted_ = true;
-    }
-    for (auto& cv : wake_) cv.notify_all();
-  }
-  std::exception_ptr error() const { return error_; }  // read after every worker finished
-
- private:
-  std::size_t index(int stage, int micro) const {
-    return static_cast<std::size_t>(stage) * m_ + micro;
-  }
-
-  template <class F>
-  void post(int stage, F&& put) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      put();
-    }
-    wake_[stage].notify_one();
-  }
-
-  template <class T>
-  std::optional<T> take(int stage, std::optional<T>& slot) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    wake_[stage].wait(lock, [&] { return aborted_ || slot.has_value(); });
-    if (!slot) return std::nullopt;
-    std::optional<T> out = std::move(slot);
-    slot.reset();
-    return out;
-  }
-
-  int m_;
-  std::mutex mutex_;
-  std::vector<std::optional<Batch>> acts_;
-  std::vector<std::optional<std::vector<torch::Tensor>>> grads_;
-  std::vector<std::condition_variable> wake_;
-  bool aborted_ = false;
-  std::exception_ptr error_;
-};
 
 struct Aborted {};  // thrown inside a worker when another one failed
 
@@ -117,7 +57,7 @@ struct TrainStep {
   loss_fn_t loss_fn;
   int64_t stop = 0;  // micro-batches below it are checkpointed
   bool training = true;
-  std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
+  std::chrono::steady_clock::time_point start;             // time zero of a recorded timeline
   std::shared_ptr<::stagewise::detail::TrainSkips> skips;  // skip connections; null: none
 };
 
@@ -206,15 +146,15 @@ inline void backward_roots(const CellMemory& cell, bool last, const std::vector<
 }  // namespace detail
 
 /// Runs worker `w`'s actions of `plan` in order (called on that worker's thread): F takes the
-/// activation from the mailbox and posts its output to the next stage; R recomputes a
+/// activation from the transport and posts its output to the next stage; R recomputes a
 /// checkpointed cell; B runs the cell's backward and posts its input gradients; I posts the input
 /// gradients and keeps the rest for W, which accumulates the weight gradients. A worker may run
 /// several stages (interleaved schedules). Appends each action's times to `record` if given.
 /// Returns the summed loss of the micro-batches whose last stage ran here.
-inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
-                                 const schedule::Plan& plan, int w, TrainStep& step,
-                                 detail::Mailboxes& mail,
-                                 std::vector<schedule::TimedAction>* record) {
+template <transport Transport>
+torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                          const schedule::Plan& plan, int w, TrainStep& step, Transport& mail,
+                          std::vector<schedule::TimedAction>* record) {
   using schedule::ActionKind;
   const int n = plan.stages;
   const int m = plan.micro_batches;
@@ -229,6 +169,10 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
     const int j = a.stage;
     const int i = a.micro;
     const bool last = j == n - 1;
+    TORCH_CHECK(stages[static_cast<std::size_t>(j)] != nullptr, "stagewise::train_step: worker ", w,
+                " runs stage ", j,
+                " but that stage is not in this process; give run_programs "
+                "every stage its local workers run");
     StageRuntime& stage = *stages[static_cast<std::size_t>(j)];
     auto& row = cells[static_cast<std::size_t>(j)];
     if (row.empty()) row.resize(static_cast<std::size_t>(m));
@@ -240,29 +184,37 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
       stream_guard.emplace(stage.compute);
     }
     // Wait for what the action consumes; its recorded time starts once that is here.
-    std::optional<Batch> received;
-    std::optional<std::vector<torch::Tensor>> grad;
-    if (a.kind == ActionKind::forward) {
-      received = j == 0 ? std::optional<Batch>(step.inputs[static_cast<std::size_t>(i)])
-                        : mail.take_activation(j, i);
+    std::optional<Message> received;
+    std::optional<Message> grad;
+    if (a.kind == ActionKind::forward && j > 0) {
+      received = mail.recv({MessageKind::activation, j, i});
       if (!received) throw detail::Aborted{};
     }
     if ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !last) {
-      grad = mail.take_gradient(j, i);
+      grad = mail.recv({MessageKind::gradient, j, i});
       if (!grad) throw detail::Aborted{};
+      const StageRuntime* next = stages[static_cast<std::size_t>(j + 1)].get();
+      for (auto& g : grad->tensors) g = stage.take_in(g, next, static_cast<std::size_t>(i));
     }
     const double start = record ? now() : 0.0;
     switch (a.kind) {
       case ActionKind::forward: {
-        Batch x = j == 0 ? *received
-                         : stage.receive(*received, *stages[static_cast<std::size_t>(j - 1)], i);
-        if (step.skips && !step.skips->receive(stages, j, i)) throw detail::Aborted{};
+        Batch x = step.inputs[static_cast<std::size_t>(i)];
+        if (j > 0) {
+          Batch in = received->atomic ? Batch(std::move(received->tensors.front()))
+                                      : Batch(std::move(received->tensors));
+          x = stage.receive(in, stages[static_cast<std::size_t>(j - 1)].get(),
+                            static_cast<std::size_t>(i));
+        }
+        if (step.skips && !step.skips->receive(stages, j, i, mail)) throw detail::Aborted{};
         Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
-        if (step.skips) step.skips->send(j, i);
+        if (step.skips) step.skips->send(j, i, mail);
         if (!last) {
-          std::vector<torch::Tensor> sent;
-          for (const auto& t : out) sent.push_back(t.detach());
-          mail.post_activation(j + 1, i, out.atomic() ? Batch(sent.front()) : Batch(sent));
+          Message sent;
+          sent.atomic = out.atomic();
+          sent.tensors.reserve(out.size());
+          for (const auto& t : out) sent.tensors.push_back(t.detach());
+          mail.send({MessageKind::activation, j + 1, i}, std::move(sent));
         }
         break;
       }
@@ -272,14 +224,18 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
       case ActionKind::backward: {
         std::vector<torch::Tensor> outs;
         std::vector<torch::Tensor> grads;
-        detail::backward_roots(cell, last, grad ? &*grad : nullptr, outs, grads);
-        if (step.skips && !step.skips->add_roots(j, i, outs, grads)) throw detail::Aborted{};
+        detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
+        if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
+          throw detail::Aborted{};
+        }
         if (!outs.empty()) torch::autograd::backward(outs, grads);
-        if (step.skips) step.skips->send_grads(j, i);
+        if (step.skips) step.skips->send_grads(j, i, mail);
         if (j > 0) {
-          std::vector<torch::Tensor> input_grads;
-          for (auto& leaf : cell.leaves) input_grads.push_back(leaf.grad());
-          mail.post_gradient(j - 1, i, std::move(input_grads));
+          Message input_grads;
+          input_grads.atomic = cell.input_atomic;
+          input_grads.tensors.reserve(cell.leaves.size());
+          for (auto& leaf : cell.leaves) input_grads.tensors.push_back(leaf.grad());
+          mail.send({MessageKind::gradient, j - 1, i}, std::move(input_grads));
         }
         cell = detail::CellMemory{};  // free this cell's activations now
         break;
@@ -287,10 +243,13 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
       case ActionKind::input_grad: {
         std::vector<torch::Tensor> outs;
         std::vector<torch::Tensor> grads;
-        detail::backward_roots(cell, last, grad ? &*grad : nullptr, outs, grads);
+        detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
         cell.split.emplace();
         auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), cell.leaves);
-        if (j > 0) mail.post_gradient(j - 1, i, std::move(input_grads));
+        if (j > 0) {
+          mail.send({MessageKind::gradient, j - 1, i},
+                    Message{std::move(input_grads), cell.input_atomic});
+        }
         cell.outputs.clear();  // the split holds the graph until W
         cell.loss = torch::Tensor();
         break;
@@ -308,50 +267,47 @@ inline torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& sta
   return total;
 }
 
-/// Runs every worker's program of `plan` concurrently (worker w on stage w's thread) and returns
-/// the summed, weighted loss. A failure in any stage stops all of them; the first exception is
-/// rethrown unchanged. If `timeline` is given, it receives every action's start and end, in
-/// microseconds from the start of the step.
-inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
-                                  const schedule::Plan& plan, TrainStep& step,
-                                  schedule::Timeline* timeline = nullptr) {
+/// Runs the programs of `plan` of the workers local to this process concurrently, worker w on
+/// `workers[w]` (null: a worker of another process), over `mail` (any `transport`), and returns
+/// the summed, weighted loss if the last stage's worker is local (else an undefined tensor).
+/// `stages[j]` may be null for a stage no local worker runs; messages to it go through the
+/// transport. A failure in any local stage aborts the transport, which stops the others; the
+/// first exception is rethrown unchanged. If `timeline` is given, it receives every local
+/// action's start and end, in microseconds from the start of the step.
+///   MailboxTransport mail(plan.stages, plan.micro_batches, skips);
+///   auto loss = run_programs(stages, plan, step, mail, workers);
+template <transport Transport>
+torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                           const schedule::Plan& plan, TrainStep& step, Transport& mail,
+                           std::span<Worker* const> workers,
+                           schedule::Timeline* timeline = nullptr) {
   TORCH_CHECK(plan.stages == static_cast<int>(stages.size()),
               "stagewise::train_step: the plan has ", plan.stages, " stages but the pipe ",
               stages.size(), "; plan for the pipe's stages");
-  const int workers = plan.workers;
-  detail::Mailboxes mail(plan.stages, plan.micro_batches);
-  const at::ThreadLocalState state;
-  std::mutex mutex;
-  std::condition_variable done;
-  int pending = workers;
+  TORCH_CHECK(plan.workers == static_cast<int>(workers.size()),
+              "stagewise::train_step: the plan has ", plan.workers, " workers but ", workers.size(),
+              " were given; give one (or null for a remote one) per plan worker");
+  std::exception_ptr first;
   torch::Tensor loss;
-  std::vector<std::vector<schedule::TimedAction>> records(static_cast<std::size_t>(workers));
+  std::vector<std::vector<schedule::TimedAction>> records(workers.size());
   const int last_worker = plan.worker_of(plan.stages - 1);
   step.start = std::chrono::steady_clock::now();
-  for (int w = 0; w < workers; ++w) {
-    stages[static_cast<std::size_t>(w)]->worker.post([&, w] {
-      try {
-        at::ThreadLocalStateGuard guard(state);
-        auto total = run_program(stages, plan, w, step, mail,
-                                 timeline ? &records[static_cast<std::size_t>(w)] : nullptr);
-        if (w == last_worker) loss = total;
-      } catch (const detail::Aborted&) {
-        // another stage failed first; its exception is the one reported
-      } catch (...) {
-        mail.abort(std::current_exception());
-        if (step.skips) step.skips->abort();  // wake workers waiting for a skip
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      if (--pending == 0) done.notify_one();
-    });
-  }
-  std::unique_lock<std::mutex> lock(mutex);
-  done.wait(lock, [&] { return pending == 0; });
-  if (auto e = mail.error()) std::rethrow_exception(e);
+  fan_out(workers, [&](std::size_t w) {
+    try {
+      auto total = run_program(stages, plan, static_cast<int>(w), step, mail,
+                               timeline ? &records[w] : nullptr);
+      if (static_cast<int>(w) == last_worker) loss = total;
+    } catch (const detail::Aborted&) {
+      // another stage failed first; its exception is the one reported
+    } catch (...) {
+      mail.abort(std::current_exception());
+      throw;
+    }
+  });
   if (timeline) {
     timeline->stages = plan.stages;
     timeline->micro_batches = plan.micro_batches;
-    timeline->workers = workers;
+    timeline->workers = plan.workers;
     timeline->unit = "us";
     timeline->actions.clear();
     for (auto& r : records) timeline->actions.insert(timeline->actions.end(), r.begin(), r.end());
@@ -361,6 +317,23 @@ inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& st
                      });
   }
   return loss;
+}
+
+/// run_programs over the in-process transport, every worker local: worker w runs on
+/// `workers[w]`. Messages of every kind go through one `MailboxTransport` made for the step.
+inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
+                                  const schedule::Plan& plan, TrainStep& step,
+                                  std::span<Worker* const> workers,
+                                  schedule::Timeline* timeline = nullptr) {
+  const int skips = step.skips ? static_cast<int>(step.skips->num_skips()) : 0;
+  MailboxTransport mail(plan.stages, plan.micro_batches, skips);
+  try {
+    return run_programs(stages, plan, step, mail, workers, timeline);
+  } catch (...) {
+    // The first failure in time is the step's error (fan_out's is the first by worker index).
+    if (auto e = mail.error()) std::rethrow_exception(e);
+    throw;
+  }
 }
 
 }  // namespace stagewise::runtime

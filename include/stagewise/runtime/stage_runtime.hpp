@@ -2,10 +2,10 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint.hpp"
+#include "stagewise/core/stage_spec.hpp"
 #include "stagewise/runtime/rng_section.hpp"
 #include "stagewise/runtime/stream.hpp"
 #include "stagewise/runtime/worker.hpp"
-#include "stagewise/stage/stage_spec.hpp"
 
 #include <c10/core/DeviceGuard.h>
 #include <torch/types.h>
@@ -41,12 +41,22 @@ struct StageRuntime {
     return copy_streams[micro];
   }
 
-  /// Moves a batch produced on `from` (another stage's device and stream) to this stage.
-  Batch receive(const Batch& b, const StageRuntime& from, std::size_t micro) {
-    if (from.device == device) return b;
+  /// Moves a tensor produced by stage `from` (its device and compute stream; null: a stage in
+  /// another process, whose tensor arrived on its device's default stream) to this stage's
+  /// device, on micro-batch `micro`'s copy stream, recorded for the allocator. Activations,
+  /// gradients and skips all cross devices here.
+  torch::Tensor take_in(const torch::Tensor& t, const StageRuntime* from, std::size_t micro) {
+    if (!t.defined() || t.device() == device) return t;
+    const c10::Stream source = from != nullptr ? from->compute : default_stream(t.device());
+    return copy_to(t, device, source, copy_stream(micro), compute);
+  }
+
+  /// Moves a batch produced by stage `from` (null: another process) to this stage.
+  Batch receive(const Batch& b, const StageRuntime* from, std::size_t micro) {
+    if (from != nullptr && from->device == device) return b;
     std::vector<torch::Tensor> out;
     out.reserve(b.size());
-    for (const auto& t : b) out.push_back(copy_to(t, device, from.compute, copy_stream(micro), compute));
+    for (const auto& t : b) out.push_back(take_in(t, from, micro));
     if (b.atomic()) return Batch(std::move(out.front()));
     return Batch(std::move(out));
   }
@@ -71,8 +81,10 @@ struct StageRuntime {
         return std::vector<torch::Tensor>(out.begin(), out.end());
       };
       detail::run_section section;
-      if (replay) section = [this, training](const std::function<void()>& body) { rng.run(training, body); };
-      auto outs = detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()}, std::move(section));
+      if (replay)
+        section = [this, training](const std::function<void()>& body) { rng.run(training, body); };
+      auto outs =
+          detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()}, std::move(section));
       if (*atomic) return Batch(std::move(outs.front()));
       return Batch(std::move(outs));
     }

@@ -157,6 +157,13 @@ class SkipLayout {
     }
     return nullptr;
   }
+  /// The index of `skip` in `routes()` (the skip index of skip messages).
+  std::size_t index_of(const SkipInfo& skip) const {
+    const auto* r = find(skip);
+    TORCH_CHECK(r != nullptr, "stagewise: skip ", skip.describe(),
+                " is not routed by this pipe; declare it in a stage of the pipe");
+    return static_cast<std::size_t>(r - routes_.data());
+  }
   bool requires_copy(const SkipInfo& skip) const {
     const auto* r = find(skip);
     return r != nullptr && r->requires_copy();

@@ -2,10 +2,10 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/dependency.hpp"
+#include "stagewise/runtime/portal.hpp"
+#include "stagewise/runtime/portal_tracker.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/skip/layout.hpp"
-#include "stagewise/skip/portal.hpp"
-#include "stagewise/skip/portal_tracker.hpp"
 #include "stagewise/skip/tracker.hpp"
 
 #include <torch/types.h>

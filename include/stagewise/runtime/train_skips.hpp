@@ -1,27 +1,27 @@
 #pragma once
 
+#include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
-#include "stagewise/runtime/stream.hpp"
+#include "stagewise/runtime/transport.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/tracker.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
-#include <condition_variable>
 #include <cstddef>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace stagewise::detail {
 
-/// Skip connections in `train_step`, where every (stage, micro-batch) cell has its own graph.
+/// Skip connections in `train_step`, where every (stage, micro-batch) cell has its own graph:
+/// routing over the message layer (kinds `skip` and `skip_grad`, keyed by the receiving stage,
+/// the micro-batch and the skip's index in the layout).
 ///
 /// A cross-stage skip is sent, detached, straight from the stashing stage to the popping stage,
 /// where it becomes a leaf of that cell's graph (the same leaf in the forward and in the
@@ -34,19 +34,22 @@ class TrainSkips {
   TrainSkips(std::shared_ptr<const SkipLayout> layout, std::size_t stages, std::size_t micro)
       : layout_(std::move(layout)), m_(micro), cells_(stages * micro) {}
 
-  /// Forward of cell (j, i): waits for the skips routed into stage j and makes them leaves.
-  /// False when the step was aborted.
+  /// The number of skips in the layout (skip messages carry an index below it).
+  std::size_t num_skips() const { return layout_->routes().size(); }
+
+  /// Forward of cell (j, i): waits for the skips routed into stage j and makes them leaves on
+  /// stage j's device. `stages[k]` is null for a stage in another process. False when the step
+  /// was aborted.
+  template <runtime::transport Transport>
   bool receive(std::vector<std::unique_ptr<runtime::StageRuntime>>& stages, std::size_t j,
-               std::size_t i) {
+               std::size_t i, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_into(j)) {
-      auto t = take(tensors_, {j, i, r.skip});
-      if (!t) return false;
-      torch::Tensor x = std::move(*t);
+      auto m = transport.recv(key(runtime::MessageKind::skip, j, i, *r.skip));
+      if (!m) return false;
+      torch::Tensor x = std::move(m->tensors.front());
       if (x.defined()) {
-        runtime::StageRuntime& from = *stages[r.stash_stage];
-        runtime::StageRuntime& to = *stages[j];
-        x = runtime::copy_to(x, to.device, from.compute, to.copy_stream(i), to.compute).detach();
+        x = stages[j]->take_in(x, stages[r.stash_stage].get(), i).detach();
         x.requires_grad_(x.is_floating_point() || x.is_complex());
       }
       cell.leaves[r.skip] = std::move(x);
@@ -69,37 +72,44 @@ class TrainSkips {
   /// After the forward of cell (j, i): sends the stashed tensors to their popping stages. A
   /// stashed tensor without graph (a checkpointed forward) is not kept: the recompute stashes
   /// it again with its graph.
-  void send(std::size_t j, std::size_t i) {
+  template <runtime::transport Transport>
+  void send(std::size_t j, std::size_t i, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_from(j)) {
       auto it = cell.stashed.find(r.skip);
       torch::Tensor t = it == cell.stashed.end() ? torch::Tensor() : it->second;
-      post(tensors_, {r.pop_stage, i, r.skip}, t.defined() ? t.detach() : t);
+      transport.send(key(runtime::MessageKind::skip, r.pop_stage, i, *r.skip),
+                     runtime::Message{{t.defined() ? t.detach() : t}});
       if (it != cell.stashed.end() && !(t.defined() && t.requires_grad())) cell.stashed.erase(it);
     }
   }
 
   /// Before the backward of cell (j, i): adds each stashed tensor and the gradient its popping
-  /// stage sent back to the roots of the backward. False when the step was aborted.
-  bool add_roots(std::size_t j, std::size_t i, std::vector<torch::Tensor>& roots,
-                 std::vector<torch::Tensor>& grads) {
+  /// stage sent back (moved to stage j's device) to the roots of the backward. False when the
+  /// step was aborted.
+  template <runtime::transport Transport>
+  bool add_roots(std::vector<std::unique_ptr<runtime::StageRuntime>>& stages, std::size_t j,
+                 std::size_t i, std::vector<torch::Tensor>& roots,
+                 std::vector<torch::Tensor>& grads, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_from(j)) {
-      auto g = take(grads_, {j, i, r.skip});
-      if (!g) return false;
+      auto m = transport.recv(key(runtime::MessageKind::skip_grad, j, i, *r.skip));
+      if (!m) return false;
+      const torch::Tensor& g = m->tensors.front();
       auto it = cell.stashed.find(r.skip);
-      if (it == cell.stashed.end() || !g->defined()) continue;  // no gradient: nothing to add
+      if (it == cell.stashed.end() || !g.defined()) continue;  // no gradient: nothing to add
       const torch::Tensor& t = it->second;
       if (!t.defined() || !t.requires_grad()) continue;
       roots.push_back(t);
-      grads.push_back(g->device() == t.device() ? *g : g->to(t.device()));
+      grads.push_back(stages[j]->take_in(g, stages[r.pop_stage].get(), i));
     }
     return true;
   }
 
   /// After the backward of cell (j, i): sends the popped leaves' gradients back to their
   /// stashing stages and frees the cell's skips.
-  void send_grads(std::size_t j, std::size_t i) {
+  template <runtime::transport Transport>
+  void send_grads(std::size_t j, std::size_t i, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_into(j)) {
       auto it = cell.leaves.find(r.skip);
@@ -107,22 +117,18 @@ class TrainSkips {
       if (it != cell.leaves.end() && it->second.defined() && it->second.requires_grad()) {
         g = it->second.grad();
       }
-      post(grads_, {r.stash_stage, i, r.skip}, std::move(g));
+      transport.send(key(runtime::MessageKind::skip_grad, r.stash_stage, i, *r.skip),
+                     runtime::Message{{std::move(g)}});
     }
     cell = CellState{};
   }
 
-  /// Wakes every waiting stage after another one failed.
-  void abort() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      aborted_ = true;
-    }
-    wake_.notify_all();
-  }
-
  private:
-  using key = std::tuple<std::size_t, std::size_t, const SkipInfo*>;  // (to stage, micro, skip)
+  runtime::MessageKey key(runtime::MessageKind kind, std::size_t stage, std::size_t i,
+                          const SkipInfo& skip) const {
+    return {kind, static_cast<int>(stage), static_cast<int>(i),
+            static_cast<int>(layout_->index_of(skip))};
+  }
 
   struct CellState {
     std::map<const SkipInfo*, torch::Tensor> leaves;   // popped, as leaves of this cell's graph
@@ -157,31 +163,9 @@ class TrainSkips {
 
   CellState& cell_at(std::size_t j, std::size_t i) { return cells_.at(j * m_ + i); }
 
-  void post(std::map<key, torch::Tensor>& box, const key& k, torch::Tensor t) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      box[k] = std::move(t);
-    }
-    wake_.notify_all();
-  }
-  std::optional<torch::Tensor> take(std::map<key, torch::Tensor>& box, const key& k) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    wake_.wait(lock, [&] { return aborted_ || box.count(k) > 0; });
-    auto it = box.find(k);
-    if (it == box.end()) return std::nullopt;
-    torch::Tensor t = std::move(it->second);
-    box.erase(it);
-    return t;
-  }
-
   std::shared_ptr<const SkipLayout> layout_;
   std::size_t m_;
   std::vector<CellState> cells_;  // stage-major; each touched only by its stage's worker
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::map<key, torch::Tensor> tensors_;
-  std::map<key, torch::Tensor> grads_;
-  bool aborted_ = false;
 };
 
 }  // namespace stagewise::detail

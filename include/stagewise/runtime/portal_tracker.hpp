@@ -1,9 +1,9 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_state.hpp"
+#include "stagewise/runtime/portal.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/namespace.hpp"
-#include "stagewise/skip/portal.hpp"
 #include "stagewise/skip/tracker.hpp"
 
 #include <c10/util/Exception.h>
