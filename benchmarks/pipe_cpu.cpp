@@ -58,7 +58,13 @@ std::string python_with(const std::string& module, std::string& root) {
   }
   for (const auto& dir : candidates) {
     if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
-    const std::string chroot = "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
+    // Hold the root's lock file, if it has one, so that whoever maintains the root does not
+    // tear it down (and end the anchor's processes) meanwhile.
+    const auto lock = dir.string() + ".lock";
+    const std::string locked =
+        std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
+    const std::string chroot =
+        locked + "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
     if (std::system((chroot + "python3" + probe).c_str()) == 0) {
       root = dir.string();
       return chroot + "python3 ";
@@ -67,8 +73,9 @@ std::string python_with(const std::string& module, std::string& root) {
   return "";
 }
 
-// Runs an anchor script with the Python found for `module`; inside a chroot the script is copied
-// to the root's /tmp first. Empty when no such Python exists.
+// Runs an anchor script with the Python found for `module`; inside a chroot the script and
+// anchor_common.py are copied to the root's /tmp/stagewise_anchors first. Empty when no such
+// Python exists.
 std::map<std::string, double> run_anchor(const std::string& script, const std::string& module,
                                          const std::string& args) {
   std::string root;
@@ -76,12 +83,18 @@ std::map<std::string, double> run_anchor(const std::string& script, const std::s
   if (python.empty()) return {};
   std::string path = script;
   if (!root.empty()) {
-    const auto inside = std::filesystem::path("/tmp") / std::filesystem::path(script).filename();
+    // The script and the helpers it imports, into the root's /tmp.
+    const auto from = std::filesystem::path(script);
+    const auto inside = std::filesystem::path("/tmp/stagewise_anchors");
     std::error_code ec;
-    std::filesystem::copy_file(script, std::filesystem::path(root) / inside.relative_path(),
-                               std::filesystem::copy_options::overwrite_existing, ec);
-    if (ec) return {};
-    path = inside.string();
+    std::filesystem::create_directories(std::filesystem::path(root) / inside.relative_path(), ec);
+    for (const auto& name : {from.filename(), std::filesystem::path("anchor_common.py")}) {
+      std::filesystem::copy_file(from.parent_path() / name,
+                                 std::filesystem::path(root) / inside.relative_path() / name,
+                                 std::filesystem::copy_options::overwrite_existing, ec);
+      if (ec) return {};
+    }
+    path = (inside / from.filename()).string();
   }
   return bench::run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
 }

@@ -151,6 +151,8 @@ def launch(world, config, schedule_name, n_rounds, timeout_s):
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         finished = all(p.exitcode == 0 for p in procs)
+        print(f"torch_pipelining: {config} {schedule_name} on {world} processes: "
+              f"{'finished' if finished else 'did not finish'}", file=sys.stderr, flush=True)
         for p in procs:
             if p.is_alive():
                 p.kill()
