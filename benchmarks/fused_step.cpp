@@ -1,12 +1,16 @@
 // fused_step: peak tensor memory and step time of the optimizer step fused into backward,
 // against the standard step (backward, optimizer.step(), gradients set to none).
-//   ./bazelw run -c opt //benchmarks:fused_step [-- --threads N]
+//   ./bazelw run -c opt //benchmarks:fused_step [-- --threads N] [-- --blas=openblas]
 // Model: 8 x Linear(1024, 1024) with ReLU between, batch 64, fp32, MSE loss; SGD (no momentum)
 // and Adam. Memory: every live CPU tensor byte (counting allocator), parameters and optimizer
 // state included. Time: median step time; "no step" (forward and backward only), standard and
-// fused alternate in rounds so that load from other processes hits all alike. The last line is
-// the summary.
+// fused alternate in rounds so that load from other processes hits all alike; ratios are taken
+// round by round and printed as median [min, max]. The header prints the conditions (BLAS
+// loaded, load average, ...); the last line is the summary.
+#include "benchmarks/common/blas.hpp"
+#include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/memory.hpp"
+#include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
 #include <stagewise/stagewise.hpp>
@@ -112,9 +116,9 @@ double thread_cpu_us() {
 }
 
 struct Times {
-  double wall_us[3] = {0, 0, 0};  // no step, standard, fused
-  double cpu_us[3] = {0, 0, 0};
-  double wall_ratio = 0, cpu_ratio = 0;  // fused / standard
+  bench::Summary wall_us[3];  // no step, standard, fused: spread over the rounds
+  bench::Summary cpu_us[3];
+  bench::Summary wall_ratio, cpu_ratio;  // fused / standard, one ratio per round
 };
 
 // Alternating rounds of the three; each round takes median_us of 3 steps (after 1 warm-up) and
@@ -142,11 +146,11 @@ Times measure_time(const std::string& kind, int rounds) {
   }
   Times t;
   for (int m = 0; m < 3; ++m) {
-    t.wall_us[m] = median(wall[m]);
-    t.cpu_us[m] = median(cpu[m]);
+    t.wall_us[m] = bench::summarize(wall[m]);
+    t.cpu_us[m] = bench::summarize(cpu[m]);
   }
-  t.wall_ratio = median(wall_ratio);
-  t.cpu_ratio = median(cpu_ratio);
+  t.wall_ratio = bench::summarize(wall_ratio);
+  t.cpu_ratio = bench::summarize(cpu_ratio);
   return t;
 }
 
@@ -157,20 +161,26 @@ double mib(long long bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::select_blas(argc, argv);
   int threads = 1;
   int rounds = 11;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0) threads = std::stoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::stoi(argv[i + 1]);
   }
+  for (int i = 1; i < argc; ++i) {  // the --name=value forms, as tools/bench_report writes them
+    if (std::strncmp(argv[i], "--threads=", 10) == 0) threads = std::stoi(argv[i] + 10);
+    if (std::strncmp(argv[i], "--rounds=", 9) == 0) rounds = std::stoi(argv[i] + 9);
+  }
   bench::counting_allocator();  // before any tensor exists
   at::set_num_threads(threads);
+  const bench::Conditions conditions("fused_step");
   std::printf(
       "fused step vs standard step: %d x Linear(%d, %d), batch %d, fp32, %d intra-op "
       "thread(s)\n",
       kLayers, kWidth, kWidth, kBatch, threads);
-  std::printf("%-5s %-9s %11s %10s %15s %9s %9s\n", "optim", "step", "before_MiB", "peak_MiB",
-              "step_extra_MiB", "wall_ms", "cpu_ms");
+  std::printf("%-5s %-9s %11s %10s %15s %9s %9s %9s %9s\n", "optim", "step", "before_MiB",
+              "peak_MiB", "step_extra_MiB", "wall_min", "wall_ms", "wall_max", "cpu_ms");
   double peak_ratio[2] = {0, 0};
   double adam_time_ratio = 0;
   const char* kinds[2] = {"sgd", "adam"};
@@ -181,19 +191,23 @@ int main(int argc, char** argv) {
     for (int m = 0; m < 3; ++m) memory[m] = measure_memory(kind, static_cast<Mode>(m));
     const Times t = measure_time(kind, rounds);
     for (int m = 0; m < 3; ++m) {
-      std::printf("%-5s %-9s %11.1f %10.1f %15.1f %9.1f %9.1f\n", kind.c_str(), rows[m],
+      std::printf("%-5s %-9s %11.1f %10.1f %15.1f %9.1f %9.1f %9.1f %9.1f\n", kind.c_str(), rows[m],
                   mib(memory[m].before), mib(memory[m].peak),
-                  mib(memory[m].peak - memory[m].before), t.wall_us[m] / 1000, t.cpu_us[m] / 1000);
+                  mib(memory[m].peak - memory[m].before), t.wall_us[m].min / 1000,
+                  t.wall_us[m].median / 1000, t.wall_us[m].max / 1000, t.cpu_us[m].median / 1000);
     }
     peak_ratio[k] = static_cast<double>(memory[2].peak) / static_cast<double>(memory[1].peak);
     std::printf(
-        "%-5s fused/standard: peak %.3f, wall time %.3f, cpu time %.3f (medians of %d "
-        "alternating rounds); cpu over forward+backward: standard %+.1f ms, fused %+.1f "
-        "ms\n",
-        kind.c_str(), peak_ratio[k], t.wall_ratio, t.cpu_ratio, rounds,
-        (t.cpu_us[1] - t.cpu_us[0]) / 1000, (t.cpu_us[2] - t.cpu_us[0]) / 1000);
-    if (kind == "adam") adam_time_ratio = t.wall_ratio;
+        "%-5s fused/standard: peak %.3f, wall time %.3f [%.3f, %.3f], cpu time %.3f [%.3f, "
+        "%.3f] (median [min, max] of %d alternating rounds); cpu over forward+backward: "
+        "standard %+.1f ms, fused %+.1f ms\n",
+        kind.c_str(), peak_ratio[k], t.wall_ratio.median, t.wall_ratio.min, t.wall_ratio.max,
+        t.cpu_ratio.median, t.cpu_ratio.min, t.cpu_ratio.max, rounds,
+        (t.cpu_us[1].median - t.cpu_us[0].median) / 1000,
+        (t.cpu_us[2].median - t.cpu_us[0].median) / 1000);
+    if (kind == "adam") adam_time_ratio = t.wall_ratio.median;
   }
+  conditions.print_end();
   std::printf("fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f\n",
               peak_ratio[0], peak_ratio[1], adam_time_ratio);
   return 0;

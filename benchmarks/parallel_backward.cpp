@@ -1,22 +1,23 @@
 // parallel_backward: forward+backward time of N independent branches, one after another versus
-// with stagewise::parallel_branches, in one run.
-//   ./bazelw run -c opt //benchmarks:parallel_backward
+// with stagewise::parallel_branches, in alternating rounds.
+//   ./bazelw run -c opt //benchmarks:parallel_backward [-- --blas=openblas]
 // Each branch is Linear(512,512), ReLU, Linear(512,512) on its own batch of 128 rows; intra-op
-// threads are 1, so any speed-up comes from running branches on different cores. Prints a table,
-// then the summary line `parallel_backward speedup_2=<x> speedup_4=<y>`.
+// threads are 1, so any speed-up comes from running branches on different cores. Prints the
+// conditions, a table with the spread, then the summary line
+// `parallel_backward speedup_2=<x> speedup_4=<y>` (medians of the per-round ratios).
 #include <stagewise/stagewise.hpp>
 
-#include "benchmarks/common/timing.hpp"
+#include "benchmarks/common/blas.hpp"
+#include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/rounds.hpp"
 
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/utils.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <thread>
-#include <utility>
 #include <vector>
 
 namespace sw = stagewise;
@@ -54,44 +55,39 @@ struct Setup {
   }
 };
 
-// Median forward+backward time (microseconds) of both variants. Sequential and parallel steps
-// alternate, so that load from other processes, if any, hits both alike.
-std::pair<double, double> measure(Setup& setup, int rounds, int warmup) {
-  for (int i = 0; i < warmup; ++i) {
-    setup.sequential_step();
-    setup.parallel_step();
-  }
-  std::vector<double> seq, par;
-  for (int i = 0; i < rounds; ++i) {
-    seq.push_back(sw::bench::median_us([&] { setup.sequential_step(); }, 1, 0));
-    par.push_back(sw::bench::median_us([&] { setup.parallel_step(); }, 1, 0));
-  }
-  auto median = [](std::vector<double>& v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  return {median(seq), median(par)};
+// Sequential and parallel steps alternate round by round, so that load from other processes, if
+// any, hits both alike. Returns the spread of the per-round speed-ups.
+sw::bench::Summary measure(Setup& setup, int branches, int rounds, int warmup) {
+  sw::bench::Rounds r(rounds, /*calls=*/1, warmup);
+  r.add("sequential", [&] { setup.sequential_step(); });
+  r.add("parallel_branches", [&] { setup.parallel_step(); });
+  r.run();
+  std::printf("%d branches\n", branches);
+  r.print();
+  const auto speedup = r.wall_ratio("sequential", "parallel_branches");
+  sw::bench::print_figure("speed-up (per-round wall ratio)", speedup, "x");
+  return speedup;
 }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  sw::bench::select_blas(argc, argv);
   at::set_num_threads(1);
   torch::manual_seed(0);
+  sw::bench::Conditions conditions("parallel_backward");
   std::printf(
       "parallel_backward: N x [Linear(512,512), ReLU, Linear(512,512)], batch 128, "
-      "intra-op threads %d, pool size %zu, hardware threads %u\n",
+      "intra-op threads %d, pool size %zu, hardware threads %u, 15 alternating rounds\n",
       at::get_num_threads(), sw::default_thread_pool()->size(),
       std::thread::hardware_concurrency());
-  std::printf("%9s %16s %16s %9s\n", "branches", "sequential_ms", "parallel_ms", "speedup");
   double speedup[2] = {0, 0};
   const int counts[2] = {2, 4};
   for (int k = 0; k < 2; ++k) {
     Setup setup(counts[k]);
-    const auto [seq, par] = measure(setup, /*rounds=*/15, /*warmup=*/3);
-    speedup[k] = seq / par;
-    std::printf("%9d %16.2f %16.2f %8.2fx\n", counts[k], seq / 1000, par / 1000, speedup[k]);
+    speedup[k] = measure(setup, counts[k], /*rounds=*/15, /*warmup=*/3).median;
   }
+  conditions.print_end();
   std::printf("parallel_backward speedup_2=%.2f speedup_4=%.2f\n", speedup[0], speedup[1]);
   return 0;
 }

@@ -1,27 +1,37 @@
-// pipe_cpu: stagewise's pipeline on CPU against the same model run sequentially and against
-// PyTorch's own torch.distributed.pipeline.sync.Pipe (benchmarks/anchors/torch_pipe.py).
-//   ./bazelw run -c opt //benchmarks:pipe_cpu
+// pipe_cpu: stagewise's pipeline on CPU against the same model run sequentially, against PyTorch's
+// old torch.distributed.pipeline.sync.Pipe (benchmarks/anchors/torch_pipe.py) and against
+// torch.distributed.pipelining (benchmarks/anchors/torch_pipelining.py, where PyTorch >= 2.4 is
+// found). Every figure is defined in docs/benchmarks.md.
+//   ./bazelw run -c opt //benchmarks:pipe_cpu [-- --blas=openblas] [-- --rounds N]
 #include <stagewise/stagewise.hpp>
 
 #include <torch/torch.h>
 
+#include "benchmarks/common/blas.hpp"
+#include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/cpu_time.hpp"
+#include "benchmarks/common/key_values.hpp"
 #include "benchmarks/common/memory.hpp"
-#include "benchmarks/common/timing.hpp"
+#include "benchmarks/common/rounds.hpp"
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <map>
-#include <memory>
 #include <sstream>
 #include <string>
 
 namespace sw = stagewise;
-using sw::bench::median_us;
+namespace bench = stagewise::bench;
 
 namespace {
 
-torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); }
+torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
+  return torch::mse_loss(o, t);
+}
 
 // Forward and backward over the micro-batches one after another, as the pipe splits them.
 template <class Model>
@@ -33,122 +43,342 @@ void microbatch_loop(Model& model, const torch::Tensor& x, const torch::Tensor& 
   }
 }
 
-std::map<std::string, double> run_anchor() {
-  std::map<std::string, double> out;
-  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) return out;
-  FILE* p = popen("/usr/bin/python3 benchmarks/anchors/torch_pipe.py 2>/dev/null", "r");
-  if (!p) return out;
-  char line[256];
-  while (std::fgets(line, sizeof line, p)) {
-    std::string s(line);
-    auto eq = s.find('=');
-    if (eq == std::string::npos) continue;
-    try {
-      out[s.substr(0, eq)] = std::stod(s.substr(eq + 1));
-    } catch (...) {
+// A Python that has `module` (e.g. torch.distributed.pipelining): "python3 " if the system's has
+// it, else "chroot DIR python3 " for a Debian root under /var/cache/stagewise (or
+// $STAGEWISE_PYTHON_ROOT) that has it; "" if none. `root` receives DIR ("" for the system).
+std::string python_with(const std::string& module, std::string& root) {
+  const std::string probe = " -c 'import " + module + "' >/dev/null 2>&1";
+  root.clear();
+  if (std::system(("/usr/bin/python3" + probe).c_str()) == 0) return "/usr/bin/python3 ";
+  std::vector<std::filesystem::path> candidates;
+  if (const char* dir = std::getenv("STAGEWISE_PYTHON_ROOT")) candidates.emplace_back(dir);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/var/cache/stagewise", ec)) {
+    candidates.push_back(e.path());
+  }
+  for (const auto& dir : candidates) {
+    if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
+    // Hold the root's lock file, if it has one, so that whoever maintains the root does not
+    // tear it down (and end the anchor's processes) meanwhile.
+    const auto lock = dir.string() + ".lock";
+    const std::string locked =
+        std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
+    const std::string chroot =
+        locked + "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
+    if (std::system((chroot + "python3" + probe).c_str()) == 0) {
+      root = dir.string();
+      return chroot + "python3 ";
     }
   }
-  pclose(p);
-  return out;
+  return "";
+}
+
+// Runs an anchor script with the Python found for `module`; inside a chroot the script and
+// anchor_common.py are copied to the root's /tmp/stagewise_anchors first. Empty when no such
+// Python exists.
+std::map<std::string, double> run_anchor(const std::string& script, const std::string& module,
+                                         const std::string& args) {
+  std::string root;
+  const std::string python = python_with(module, root);
+  if (python.empty()) return {};
+  std::string path = script;
+  if (!root.empty()) {
+    // The script and the helpers it imports, into the root's /tmp.
+    const auto from = std::filesystem::path(script);
+    const auto inside = std::filesystem::path("/tmp/stagewise_anchors");
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(root) / inside.relative_path(), ec);
+    for (const auto& name : {from.filename(), std::filesystem::path("anchor_common.py")}) {
+      std::filesystem::copy_file(from.parent_path() / name,
+                                 std::filesystem::path(root) / inside.relative_path() / name,
+                                 std::filesystem::copy_options::overwrite_existing, ec);
+      if (ec) return {};
+    }
+    path = (inside / from.filename()).string();
+  }
+  return bench::run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
 }
 
 void row(const std::string& what, double value, const std::string& unit) {
-  std::printf("  %-52s %12.2f %s\n", what.c_str(), value, unit.c_str());
+  std::printf("  %-52s %10.3f %s\n", what.c_str(), value, unit.c_str());
+}
+
+std::string fmt(double v) {
+  if (std::isnan(v)) return "nan";
+  std::ostringstream s;
+  s.precision(3);
+  s << std::fixed << v;
+  return s.str();
+}
+
+// Two stages of [Linear(w,w), ReLU] x 2: the speed configurations.
+struct TwoStages {
+  torch::nn::Sequential s0, s1;
+  explicit TwoStages(int64_t w) : s0(block(w)), s1(block(w)) {}
+  static torch::nn::Sequential block(int64_t w) {
+    return torch::nn::Sequential(torch::nn::Linear(w, w), torch::nn::ReLU(),
+                                 torch::nn::Linear(w, w), torch::nn::ReLU());
+  }
+  torch::Tensor operator()(const torch::Tensor& x) { return s1->forward(s0->forward(x)); }
+};
+
+// Whole batch, whole batch on 2 threads, micro-batch loop and train_step, alternating.
+struct SpeedResult {
+  bench::Summary vs_whole, vs_whole_2threads, vs_loop, whole_us, pipe_us;
+};
+
+SpeedResult speed(const char* title, int64_t width, int64_t batch, int64_t chunks, int rounds,
+                  int calls) {
+  torch::manual_seed(0);
+  TwoStages model(width);
+  auto pipe = sw::Pipe(sw::stages(model.s0, model.s1),
+                       sw::PipeOptions().chunks(chunks).checkpoint("never"));
+  auto x = torch::randn({batch, width});
+  auto t = torch::randn({batch, width});
+  bench::Rounds r(rounds, calls);
+  r.add("whole batch, 1 thread", [&] { mse(model(x), t).backward(); });
+  r.add("whole batch, 2 threads", [&] {
+    at::set_num_threads(2);
+    bench::set_blas_threads(2);
+    mse(model(x), t).backward();
+    bench::set_blas_threads(1);
+    at::set_num_threads(1);
+  });
+  r.add("micro-batch loop, 1 thread", [&] { microbatch_loop(model, x, t, chunks); });
+  r.add("stagewise train_step, 2 workers x 1 thread", [&] { pipe->train_step(x, t, mse); });
+  r.run();
+  std::printf("%s: 2 x [Linear(%lld,%lld), ReLU] x 2, batch %lld, chunks %lld, checkpoint never\n",
+              title, static_cast<long long>(width), static_cast<long long>(width),
+              static_cast<long long>(batch), static_cast<long long>(chunks));
+  r.print();
+  SpeedResult out;
+  out.vs_whole =
+      r.wall_ratio("whole batch, 1 thread", "stagewise train_step, 2 workers x 1 thread");
+  out.vs_whole_2threads =
+      r.wall_ratio("whole batch, 2 threads", "stagewise train_step, 2 workers x 1 thread");
+  out.vs_loop =
+      r.wall_ratio("micro-batch loop, 1 thread", "stagewise train_step, 2 workers x 1 thread");
+  out.whole_us = r.wall("whole batch, 1 thread");
+  out.pipe_us = r.wall("stagewise train_step, 2 workers x 1 thread");
+  bench::print_figure("speed-up vs whole batch, 1 thread", out.vs_whole, "x");
+  bench::print_figure("speed-up vs whole batch, 2 threads", out.vs_whole_2threads, "x");
+  bench::print_figure("speed-up vs micro-batch loop", out.vs_loop, "x");
+  return out;
+}
+
+// Overhead of a 4-stage pipe of `layer(width)` layers, batch 32, chunks 32, checkpoint never:
+// (a) process CPU time of train_step minus that of the micro-batch loop, per F/B action;
+// (b) the same in wall time with every thread pinned to one core.
+struct Overhead {
+  bench::Summary cpu_per_action, pinned_wall_per_action, step_wall_per_action, step_cpu_per_action;
+};
+
+constexpr int64_t kStages = 4, kBatch = 32, kChunks = 32;
+constexpr double kActions = kStages * kChunks * 2;  // one F and one B per cell
+
+// The overhead configurations: 4 stages of one layer each, batch 32, chunks 32, no checkpointing.
+struct OverheadSetup {
+  torch::nn::Sequential model;
+  sw::Pipe<> pipe{nullptr};
+  torch::Tensor x, t;
+
+  template <class Layer>
+  OverheadSetup(Layer layer, int64_t width) {
+    torch::manual_seed(0);
+    for (int i = 0; i < kStages; ++i) model->push_back(layer());
+    pipe = sw::Pipe(model, sw::balance{1, 1, 1, 1},
+                    sw::PipeOptions().chunks(kChunks).checkpoint("never"));
+    x = torch::randn({kBatch, width});
+    t = torch::randn({kBatch, width});
+  }
+  void loop() {
+    auto forward = [&](const torch::Tensor& in) { return model->forward(in); };
+    microbatch_loop(forward, x, t, kChunks);
+  }
+  void train_step() { pipe->train_step(x, t, mse); }
+};
+
+OverheadSetup linear16() {
+  return OverheadSetup([] { return torch::nn::Linear(16, 16); }, 16);
+}
+OverheadSetup linear1() {
+  return OverheadSetup([] { return torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false)); },
+                       1);
+}
+
+Overhead overhead(const char* title, OverheadSetup setup, int rounds) {
+  auto& pipe = setup.pipe;
+  auto& x = setup.x;
+  auto& t = setup.t;
+  auto add = [&](bench::Rounds& r) {
+    r.add("micro-batch loop", [&] { setup.loop(); });
+    r.add("stagewise train_step", [&] { setup.train_step(); });
+  };
+  bench::Rounds free(rounds, /*calls=*/5);
+  add(free);
+  free.add("stagewise forward() + backward", [&] { mse(pipe->forward(x), t).backward(); });
+  free.run();
+  bench::Rounds pinned(rounds, /*calls=*/5);
+  add(pinned);
+  {
+    bench::PinnedToOneCore pin;
+    pinned.run();
+  }
+  std::printf("%s: 4 stages, batch 32, chunks 32, checkpoint never (%d F/B actions a step)\n",
+              title, static_cast<int>(kActions));
+  free.print();
+  std::printf("  pinned to one core:\n");
+  pinned.print();
+  Overhead o;
+  o.cpu_per_action = free.per_round([&](int k) {
+    return (free.cpu_samples("stagewise train_step")[k] - free.cpu_samples("micro-batch loop")[k]) /
+           kActions;
+  });
+  o.pinned_wall_per_action = pinned.per_round([&](int k) {
+    return (pinned.wall_samples("stagewise train_step")[k] -
+            pinned.wall_samples("micro-batch loop")[k]) /
+           kActions;
+  });
+  o.step_wall_per_action = free.per_round(
+      [&](int k) { return free.wall_samples("stagewise train_step")[k] / kActions; });
+  o.step_cpu_per_action =
+      free.per_round([&](int k) { return free.cpu_samples("stagewise train_step")[k] / kActions; });
+  return o;
+}
+
+std::string string_flag(int argc, char** argv, const char* name) {
+  const std::string prefix = std::string(name) + "=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
+  }
+  return "";
+}
+
+// --profile=VARIANT --steps=N: runs only one overhead variant N times (after 2 warm-up steps) and
+// prints nothing else, for instruction counts under valgrind (tools/overhead_instructions):
+// linear16_loop, linear16_train_step, linear1_loop, linear1_train_step.
+int profile(const std::string& variant, int steps) {
+  const bool tiny = variant.rfind("linear1_", 0) == 0;
+  const bool pipe = variant.size() > 10 && variant.substr(variant.size() - 10) == "train_step";
+  TORCH_CHECK(variant.rfind("linear16_", 0) == 0 || tiny, "pipe_cpu --profile: unknown variant '",
+              variant,
+              "'; write linear16_loop, linear16_train_step, linear1_loop or linear1_train_step");
+  OverheadSetup setup = tiny ? linear1() : linear16();
+  for (int i = 0; i < steps + 2; ++i) pipe ? setup.train_step() : setup.loop();
+  std::printf("pipe_cpu profiled %s steps=%d actions_per_step=%d\n", variant.c_str(), steps,
+              static_cast<int>(kActions));
+  return 0;
+}
+
+int int_flag(int argc, char** argv, const char* name, int fallback) {
+  const std::string prefix = std::string(name) + "=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0)
+      return std::atoi(argv[i] + prefix.size());
+  }
+  return fallback;
 }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  bench::select_blas(argc, argv);
+  // large_speedup_openblas is defined for OpenBLAS only, whether --blas=openblas or the system's.
+  const bool openblas = bench::loaded_blas().find("openblas:") != std::string::npos;
+  const int rounds = int_flag(argc, argv, "--rounds", 7);
   at::set_num_threads(1);
+  if (const auto variant = string_flag(argc, argv, "--profile"); !variant.empty()) {
+    return profile(variant, int_flag(argc, argv, "--steps", 20));
+  }
+  auto& memory = bench::counting_allocator();
+  bench::Conditions conditions("pipe_cpu");
+  std::printf("pipe_cpu: %d alternating rounds; wall and process CPU time, min / median / max\n",
+              rounds);
+
+  const Overhead a = overhead("(a, b) overhead, 4 x Linear(16,16)", linear16(), rounds);
+  const Overhead c =
+      overhead("(c) scheduling only, 4 x Linear(1,1) without bias", linear1(), rounds);
+  std::printf("overhead per F/B action, medians of the per-round values [min, max]\n");
+  bench::print_figure("(a) CPU overhead per action", a.cpu_per_action, "us");
+  bench::print_figure("(b) wall overhead per action, pinned to one core", a.pinned_wall_per_action,
+                      "us");
+  bench::print_figure("(c) CPU overhead per action", c.cpu_per_action, "us");
+  bench::print_figure("(c) wall overhead per action, pinned to one core", c.pinned_wall_per_action,
+                      "us");
+  bench::print_figure("(c) train_step wall time per action", c.step_wall_per_action, "us");
+  bench::print_figure("(c) train_step CPU time per action", c.step_cpu_per_action, "us");
+
+  const SpeedResult b = speed("(d) speed", 512, 128, 8, rounds, /*calls=*/3);
+  const SpeedResult large =
+      speed("(e) large, 128-row micro-batches", 768, 1024, 8, std::max(3, rounds / 2), 1);
+
+  // (f) memory: 4 stages of 4 x (Linear(512,512), ReLU), batch 256, chunks 8.
   torch::manual_seed(0);
-  auto& memory = sw::bench::counting_allocator();
-
-  // (a) overhead: 4 stages of Linear(16,16), batch 32, chunks 32, no checkpointing.
-  torch::nn::Sequential tiny;
-  for (int i = 0; i < 4; ++i) tiny->push_back(torch::nn::Linear(16, 16));
-  auto tiny_pipe = sw::Pipe(tiny, sw::balance{1, 1, 1, 1}, sw::PipeOptions().chunks(32).checkpoint("never"));
-  auto xa = torch::randn({32, 16});
-  auto ta = torch::randn({32, 16});
-  auto tiny_fn = [&](const torch::Tensor& x) { return tiny->forward(x); };
-  const double a_seq = median_us([&] { microbatch_loop(tiny_fn, xa, ta, 32); }, 50);
-  const double a_pipe = median_us([&] { tiny_pipe->train_step(xa, ta, mse); }, 50);
-  const double a_forward = median_us([&] { mse(tiny_pipe->forward(xa), ta).backward(); }, 50);
-  const double overhead = (a_pipe - a_seq) / (32 * 4);
-
-  // (b) speed: 2 stages of Linear(512,512), ReLU, Linear(512,512), ReLU; batch 128, chunks 8.
-  auto stage = [] {
-    return torch::nn::Sequential(torch::nn::Linear(512, 512), torch::nn::ReLU(),
-                                 torch::nn::Linear(512, 512), torch::nn::ReLU());
-  };
-  auto s0 = stage();
-  auto s1 = stage();
-  auto whole = [&](const torch::Tensor& x) { return s1->forward(s0->forward(x)); };
-  auto big_pipe = sw::Pipe(sw::stages(s0, s1), sw::PipeOptions().chunks(8).checkpoint("never"));
-  auto xb = torch::randn({128, 512});
-  auto tb = torch::randn({128, 512});
-  auto sequential_step = [&] { mse(whole(xb), tb).backward(); };
-  const double b_seq1 = median_us(sequential_step);
-  at::set_num_threads(2);
-  const double b_seq2 = median_us(sequential_step);
-  at::set_num_threads(1);
-  const double b_pipe = median_us([&] { big_pipe->train_step(xb, tb, mse); });
-  const double b_loop = median_us([&] { microbatch_loop(whole, xb, tb, 8); });
-
-  // (c) memory: 4 stages of 4 x (Linear(512,512), ReLU), batch 256, chunks 8.
   torch::nn::Sequential deep;
   for (int i = 0; i < 16; ++i) {
     deep->push_back(torch::nn::Linear(512, 512));
     deep->push_back(torch::nn::ReLU());
   }
-  auto xc = torch::randn({256, 512});
-  auto tc = torch::randn({256, 512});
+  auto xm = torch::randn({256, 512});
+  auto tm = torch::randn({256, 512});
   std::map<std::string, double> peak;
   for (const char* mode : {"never", "except_last", "always"}) {
-    auto pipe = sw::Pipe(deep, sw::even_balance(32, 4), sw::PipeOptions().chunks(8).checkpoint(mode));
-    pipe->train_step(xc, tc, mse);  // warm-up: gradients exist from here on
+    auto pipe =
+        sw::Pipe(deep, sw::even_balance(32, 4), sw::PipeOptions().chunks(8).checkpoint(mode));
+    pipe->train_step(xm, tm, mse);  // warm-up: gradients exist from here on
     memory.reset_peak();
     const long long base = memory.current();
-    pipe->train_step(xc, tc, mse);
+    pipe->train_step(xm, tm, mse);
     peak[mode] = double(memory.peak() - base);
   }
-
-  const auto anchor = run_anchor();
-  const bool have_anchor = anchor.count("b_pipe_us") > 0;
-
-  std::printf("pipe_cpu (intra-op threads 1 per worker, medians)\n");
-  std::printf("(a) overhead: 4 x Linear(16,16), batch 32, chunks 32, checkpoint never\n");
-  row("sequential micro-batch loop, fwd+bwd", a_seq, "us");
-  row("stagewise train_step, fwd+bwd", a_pipe, "us");
-  row("stagewise forward() + backward (torchgpipe style)", a_forward, "us");
-  row("stagewise overhead per cell", overhead, "us");
-  if (have_anchor) {
-    row("torch Pipe fwd+bwd", anchor.at("a_pipe_us"), "us");
-    row("torch Pipe overhead per cell", anchor.at("a_overhead_us_per_cell"), "us");
-  }
-  std::printf("(b) speed: 2 x [Linear(512,512), ReLU] x 2, batch 128, chunks 8, checkpoint never\n");
-  row("sequential, 1 intra-op thread", b_seq1, "us");
-  row("sequential, 2 intra-op threads", b_seq2, "us");
-  row("sequential micro-batch loop, 1 thread", b_loop, "us");
-  row("stagewise train_step, 2 workers x 1 thread", b_pipe, "us");
-  if (have_anchor) row("torch Pipe, 1 thread", anchor.at("b_pipe_us"), "us");
-  row("speed-up vs sequential (1 thread)", b_seq1 / b_pipe, "x");
-  row("speed-up vs sequential (2 threads)", b_seq2 / b_pipe, "x");
-  if (have_anchor) row("speed-up vs torch Pipe", anchor.at("b_pipe_us") / b_pipe, "x");
-  std::printf("(c) memory: 16 x (Linear(512,512), ReLU) in 4 stages, batch 256, chunks 8\n");
+  std::printf("(f) memory: 16 x (Linear(512,512), ReLU) in 4 stages, batch 256, chunks 8\n");
   for (const char* mode : {"never", "except_last", "always"}) {
     row(std::string("peak tensor memory, checkpoint ") + mode, peak[mode] / (1 << 20), "MiB");
   }
   row("ratio except_last / never", peak["except_last"] / peak["never"], "");
   row("ratio always / never", peak["always"] / peak["never"], "");
 
-  std::ostringstream last;
-  last << "pipe_cpu overhead_us_per_cell=" << overhead << " speedup_vs_sequential=" << b_seq1 / b_pipe
-       << " speedup_vs_sequential_2threads=" << b_seq2 / b_pipe << " speedup_vs_torch_pipe=";
-  if (have_anchor) {
-    last << anchor.at("b_pipe_us") / b_pipe;
-  } else {
-    last << "nan";
-  }
-  std::cout << last.str() << std::endl;
+  // Anchors: PyTorch's old Pipe (one thread for every CPU partition) and
+  // torch.distributed.pipelining (one process per stage over Gloo). Both print their own sequential
+  // times for a cross-check.
+  const std::string rounds_arg = "--rounds " + std::to_string(rounds);
+  const auto pipe_anchor =
+      run_anchor("benchmarks/anchors/torch_pipe.py", "torch.distributed.pipeline.sync", rounds_arg);
+  const auto pipelining = run_anchor("benchmarks/anchors/torch_pipelining.py",
+                                     "torch.distributed.pipelining", rounds_arg);
+  using bench::value_or_nan;
+  std::printf("anchors (nan: not available here; see docs/benchmarks.md)\n");
+  row("torch Pipe: (a) CPU overhead per action", value_or_nan(pipe_anchor, "a_cpu_overhead_us"),
+      "us");
+  row("torch Pipe: (b) pinned wall overhead per action",
+      value_or_nan(pipe_anchor, "a_pinned_overhead_us"), "us");
+  row("torch Pipe: (d) train step", value_or_nan(pipe_anchor, "d_pipe_us") / 1e3, "ms");
+  row("torch Pipe: (d) its own whole batch, 1 thread",
+      value_or_nan(pipe_anchor, "d_whole_us") / 1e3, "ms");
+  row("pipelining GPipe: (a) CPU overhead per action",
+      value_or_nan(pipelining, "a_cpu_overhead_us"), "us");
+  row("pipelining GPipe: (b) pinned wall overhead per action",
+      value_or_nan(pipelining, "a_pinned_overhead_us"), "us");
+  row("pipelining GPipe: (d) train step", value_or_nan(pipelining, "d_pipe_us") / 1e3, "ms");
+  row("pipelining GPipe: (d) its own whole batch, 1 thread",
+      value_or_nan(pipelining, "d_whole_us") / 1e3, "ms");
+  row("pipelining 1F1B: (d) finished (1) or timed out (0)",
+      value_or_nan(pipelining, "d_one_f_one_b_finished"), "");
+  row("cross-check: torch Pipe's whole batch / C++ whole batch",
+      value_or_nan(pipe_anchor, "d_whole_us") / b.whole_us.median, "");
+  row("cross-check: pipelining's whole batch / C++ whole batch",
+      value_or_nan(pipelining, "d_whole_us") / b.whole_us.median, "");
+  const double vs_pipe = value_or_nan(pipe_anchor, "d_pipe_us") / b.pipe_us.median;
+  const double vs_pipelining = value_or_nan(pipelining, "d_pipe_us") / b.pipe_us.median;
+  row("speed-up vs torch Pipe", vs_pipe, "x");
+  row("speed-up vs torch.distributed.pipelining GPipe", vs_pipelining, "x");
+
+  conditions.print_end();
+  std::printf(
+      "pipe_cpu overhead_us_per_cell=%s speedup_vs_sequential=%s speedup_vs_sequential_2threads=%s "
+      "speedup_vs_torch_pipe=%s speedup_vs_torch_pipelining=%s large_speedup_openblas=%s\n",
+      fmt(a.cpu_per_action.median).c_str(), fmt(b.vs_whole.median).c_str(),
+      fmt(b.vs_whole_2threads.median).c_str(), fmt(vs_pipe).c_str(), fmt(vs_pipelining).c_str(),
+      fmt(openblas ? large.vs_whole.median : std::nan("")).c_str());
   return 0;
 }

@@ -4,7 +4,9 @@
 //   ./bazelw run -c opt //benchmarks:schedules
 #include <stagewise/stagewise.hpp>
 
+#include <ATen/Version.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include "benchmarks/common/memory.hpp"
 #include "benchmarks/common/timing.hpp"
@@ -17,6 +19,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace sw = stagewise;
@@ -36,10 +39,14 @@ torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
 }
 
 struct Result {
-  double step_ms = 0;
+  double step_ms = 0;  // median over the rounds
+  double min_ms = 0;
+  double max_ms = 0;
   double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
   double activation_mib = 0;  // above what was alive before the step
-  double bubble_measured = 0;
+  // Bubbles as the share of the workers' time spent waiting for messages (Timeline::waiting_share)
+  double bubble_measured = 0;    // from a recorded step
+  double idle_measured = 0;      // all idle time of a recorded step (Timeline::bubble)
   double bubble_unit = 0;        // simulator, T_F = T_B = T_W
   double bubble_calibrated = 0;  // simulator, with the mean measured cost of each action kind
   int cells = 0;                 // simulator: most (micro-batch, stage) cells alive at once
@@ -100,6 +107,8 @@ void measure(std::vector<Candidate>& cs, int rounds) {
     auto& r = c.result;
     std::sort(ms[k].begin(), ms[k].end());
     r.step_ms = ms[k][ms[k].size() / 2];
+    r.min_ms = ms[k].front();
+    r.max_ms = ms[k].back();
     memory.reset_peak();
     const long long base = memory.current();
     c.step(nullptr);
@@ -107,10 +116,11 @@ void measure(std::vector<Candidate>& cs, int rounds) {
     r.activation_mib = double(memory.peak() - base) / (1 << 20);
     sched::Timeline timeline;
     c.step(&timeline);
-    r.bubble_measured = timeline.bubble();
+    r.bubble_measured = timeline.waiting_share();
+    r.idle_measured = timeline.bubble();
     r.mean_ms = mean_ms(timeline);
     const auto unit = c.simulate(sched::Costs{});
-    r.bubble_unit = unit.bubble();
+    r.bubble_unit = unit.timeline.waiting_share();
     r.cells = unit.total_peak_in_flight;
     sched::Costs costs;
     costs.forward = r.mean_ms['F'];
@@ -121,7 +131,7 @@ void measure(std::vector<Candidate>& cs, int rounds) {
       costs.input_grad = r.mean_ms['B'] / 2;  // only B = T_B + T_W matters here
       costs.weight_grad = r.mean_ms['B'] / 2;
     }
-    r.bubble_calibrated = c.simulate(costs).bubble();
+    r.bubble_calibrated = c.simulate(costs).timeline.waiting_share();
   }
 }
 
@@ -162,18 +172,44 @@ std::string load() {
   return one.empty() ? "?" : one;
 }
 
+// Which BLAS the process multiplies with: the library mapped into it (Debian's LibTorch calls
+// libblas.so.3, whichever alternative that is), and what LibTorch was built with.
+std::string blas() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  std::string mapped;
+  while (std::getline(maps, line)) {
+    for (const char* name : {"libopenblas", "libblas", "libmkl", "libblis"}) {
+      const auto at = line.find(name);
+      if (at == std::string::npos) continue;
+      const auto slash = line.rfind(' ');
+      const std::string path = line.substr(slash + 1);
+      if (mapped.find(path) == std::string::npos) mapped += (mapped.empty() ? "" : ", ") + path;
+    }
+  }
+  std::string built = "?";
+  const std::string config = at::show_config();
+  const auto at = config.find("BLAS_INFO=");
+  if (at != std::string::npos)
+    built = config.substr(at + 10, config.find_first_of(", \n", at) - at - 10);
+  return (mapped.empty() ? std::string("none mapped") : mapped) + " (LibTorch built with " + built +
+         ")";
+}
+
 void header() {
-  std::printf("  %-24s %8s %9s %8s %6s | %8s %8s %8s | %s\n", "schedule", "step ms", "peak MiB",
-              "act MiB", "cells", "sim T=1", "sim cal.", "measured", "mean ms per action");
+  std::printf("  %-24s %8s %8s %8s %9s %8s %6s | %8s %8s %8s %8s | %s\n", "schedule", "median",
+              "min", "max ms", "peak MiB", "act MiB", "cells", "sim T=1", "sim cal.", "measured",
+              "idle", "mean ms per action");
 }
 
 void row(const std::string& name, const Result& r) {
   std::ostringstream costs;
   costs.precision(3);
   for (const auto& [k, ms] : r.mean_ms) costs << k << "=" << ms << " ";
-  std::printf("  %-24s %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f | %s\n", name.c_str(), r.step_ms,
-              r.peak_mib, r.activation_mib, r.cells, r.bubble_unit, r.bubble_calibrated,
-              r.bubble_measured, costs.str().c_str());
+  std::printf("  %-24s %8.2f %8.2f %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f %8.3f | %s\n",
+              name.c_str(), r.step_ms, r.min_ms, r.max_ms, r.peak_mib, r.activation_mib, r.cells,
+              r.bubble_unit, r.bubble_calibrated, r.bubble_measured, r.idle_measured,
+              costs.str().c_str());
 }
 
 }  // namespace
@@ -203,20 +239,26 @@ int main() {
       "stage) cells alive at once over the whole pipe\n",
       params_mib);
   std::printf(
-      "bubble (idle share of the workers' time): simulator with T_F = T_B = T_W, simulator with "
-      "the mean "
-      "measured cost of each action kind, measured from a recorded timeline\n");
+      "bubble = share of the workers' time spent waiting for a message (activation or gradient): "
+      "simulator with T_F = T_B = T_W,\nsimulator fed the mean measured cost of each action kind, "
+      "measured from a recorded step; idle = all idle time of the recorded step\n");
+  std::printf("cores: %u; LibTorch %s; BLAS: %s\n", std::thread::hardware_concurrency(),
+              TORCH_VERSION, blas().c_str());
   std::printf("load average at start: %s\n", load().c_str());
   std::map<int, std::map<std::string, Result>> results;
   for (int k : {2, 4}) {
-    std::printf("K=%d workers (%d stages; interleaved: %d stages, v=2), %d rounds\n", k, k, 2 * k,
-                kRounds);
+    std::printf(
+        "K=%d workers (%d stages; interleaved, ZB-V, DualPipeV: %d stages, 2 per worker), %d "
+        "rounds\n",
+        k, k, 2 * k, kRounds);
     std::vector<Candidate> cs;
     cs.push_back(candidate("gpipe", seq, k, sched::gpipe{}, x, t));
     cs.push_back(candidate("one_f_one_b", seq, k, sched::one_f_one_b{}, x, t));
     cs.push_back(
         candidate("interleaved_one_f_one_b", seq, 2 * k, sched::interleaved_one_f_one_b{2}, x, t));
     cs.push_back(candidate("zero_bubble_h1", seq, k, sched::zero_bubble_h1{}, x, t));
+    cs.push_back(candidate("zero_bubble_v", seq, 2 * k, sched::zero_bubble_v{}, x, t));
+    cs.push_back(candidate("dualpipe_v", seq, 2 * k, sched::dualpipe_v{}, x, t));
     measure(cs, kRounds);
     header();
     for (auto& c : cs) {
@@ -227,8 +269,14 @@ int main() {
     std::printf("  1F1B / GPipe peak: %.3f (activations above baseline: %.3f; K/M = %.3f)\n",
                 r["one_f_one_b"].peak_mib / r["gpipe"].peak_mib,
                 r["one_f_one_b"].activation_mib / r["gpipe"].activation_mib, double(k) / kChunks);
-    std::printf("  ZB-H1 / 1F1B step time: %.3f\n",
-                r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms);
+    std::printf("  ZB-H1 / 1F1B step time: %.3f (median), %.3f (min); peak memory: %.3f\n",
+                r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms,
+                r["zero_bubble_h1"].min_ms / r["one_f_one_b"].min_ms,
+                r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib);
+    std::printf("  ZB-V / 1F1B step time: %.3f (median), %.3f (min); peak memory: %.3f\n",
+                r["zero_bubble_v"].step_ms / r["one_f_one_b"].step_ms,
+                r["zero_bubble_v"].min_ms / r["one_f_one_b"].min_ms,
+                r["zero_bubble_v"].peak_mib / r["one_f_one_b"].peak_mib);
   }
   {
     const auto c = split_cost(kBlocks / 2, kBatch / kChunks, 31);
@@ -243,7 +291,9 @@ int main() {
   last << "schedules gpipe_ms=" << r2.at("gpipe").step_ms
        << " one_f_one_b_ms=" << r2.at("one_f_one_b").step_ms
        << " zero_bubble_ms=" << r2.at("zero_bubble_h1").step_ms
-       << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib;
+       << " zbv_ms=" << r2.at("zero_bubble_v").step_ms
+       << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib
+       << " zb_vs_1f1b=" << r2.at("zero_bubble_h1").step_ms / r2.at("one_f_one_b").step_ms;
   std::cout << last.str() << std::endl;
   return 0;
 }

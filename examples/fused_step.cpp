@@ -52,7 +52,7 @@ Run train(bool fused_step) {
       fused->set_lr(lr_at(step));  // reaches every per-parameter optimizer
       loss.backward();             // every parameter is updated inside; its .grad is freed
       for (const auto& p : model->parameters()) run.grads_empty &= !p.grad().defined();
-      fused->finish_step();  // optional: checks that every parameter stepped exactly once
+      fused->finish_step();  // optional: ends the step; throws if one stepped twice
     } else {
       optimizer->param_groups()[0].options().set_lr(lr_at(step));
       loss.backward();  // all gradients are alive now

@@ -1,19 +1,25 @@
 // schedule_svg: simulates a pipeline schedule and draws its timeline as an SVG picture.
 //   schedule_svg --schedule=one_f_one_b --stages=4 --micro=8 [--virtual=2] [--costs=1,1,1]
 //                [--checkpointed=0] [--title=TEXT] --out=file.svg
-// --stages is the number of workers K. With --schedule=interleaved_one_f_one_b and --virtual=v
-// the model is cut into v x K stages, each costing 1/v of a whole stage, so pictures of
-// different schedules show the same model. --costs are T_F, T_B (input-gradient part) and T_W.
-// Prints the makespan, the bubble and the peak micro-batches in flight.
+// --stages is the number of workers K. With --schedule=interleaved_one_f_one_b or looped_bfs and
+// --virtual=v the model is cut into v x K stages, each costing 1/v of a whole stage; the
+// V-shaped zero_bubble_v and dualpipe_v always cut it into 2K stages (two per worker, costing
+// 1/2 each), so pictures of different schedules show the same model. --costs are T_F, T_B
+// (input-gradient part) and T_W. Prints the makespan, the bubble and the peak micro-batches in
+// flight.
+#include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
+#include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -27,7 +33,8 @@ int usage(const std::string& problem) {
   std::fprintf(
       stderr,
       "schedule_svg: %s\n"
-      "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|zero_bubble_h1\n"
+      "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|looped_bfs|\n"
+      "                               zero_bubble_h1|zero_bubble_v|dualpipe_v\n"
       "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
       "                    [--title=TEXT] --out=FILE.svg\n",
       problem.c_str());
@@ -80,8 +87,8 @@ int main(int argc, char** argv) {
     }
   }
   const std::string name = args["schedule"];
-  if (v != 1 && name != "interleaved_one_f_one_b")
-    return usage("--virtual applies to interleaved_one_f_one_b only");
+  if (v != 1 && name != "interleaved_one_f_one_b" && name != "looped_bfs")
+    return usage("--virtual applies to interleaved_one_f_one_b and looped_bfs only");
   try {
     sched::Simulation sim;
     std::string label;
@@ -95,6 +102,19 @@ int main(int argc, char** argv) {
       sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
       sim = sched::simulate(sched::interleaved_one_f_one_b{v}, k * v, m, part, checkpointed);
       label = "interleaved 1F1B, v=" + std::to_string(v);
+    } else if (name == "looped_bfs") {
+      sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
+      sim = sched::simulate(sched::looped_bfs{v}, k * v, m, part, checkpointed);
+      label = "looped BFS, v=" + std::to_string(v);
+    } else if (name == "zero_bubble_v" || name == "dualpipe_v") {
+      sched::Costs half{costs.forward / 2, costs.input_grad / 2, costs.weight_grad / 2, -1.0};
+      if (name == "zero_bubble_v") {
+        sim = sched::simulate(sched::zero_bubble_v{}, 2 * k, m, half, checkpointed);
+        label = "ZB-V";
+      } else {
+        sim = sched::simulate(sched::dualpipe_v{}, 2 * k, m, half, checkpointed);
+        label = "DualPipeV";
+      }
     } else if (name == "zero_bubble_h1") {
       sim = sched::simulate(sched::zero_bubble_h1{}, k, m, costs, checkpointed);
       label = "ZB-H1";
@@ -102,14 +122,15 @@ int main(int argc, char** argv) {
       return usage("unknown schedule '" + name + "'");
     }
     std::string title = args.count("title") ? args["title"]
-                                            : label + ": " + std::to_string(k) + " stages, " +
+                                            : label + ": " + std::to_string(k) + " workers, " +
                                                   std::to_string(m) + " micro-batches";
     sched::write_svg(sim.timeline, args["out"], {.title = title});
     std::printf(
         "schedule_svg %s stages=%d micro=%d virtual=%d actions=%zu makespan=%.3f bubble=%.4f "
-        "peak_in_flight=%d\n",
+        "peak_in_flight=%d worker_peak=%d\n",
         name.c_str(), k, m, v, sim.timeline.actions.size(), sim.makespan(), sim.bubble(),
-        sim.max_in_flight());
+        sim.max_in_flight(),
+        *std::max_element(sim.worker_peak_in_flight.begin(), sim.worker_peak_in_flight.end()));
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "schedule_svg: %s\n", e.what_without_backtrace());
     return 1;

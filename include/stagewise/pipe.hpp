@@ -2,6 +2,8 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/stage_spec.hpp"
+#include "stagewise/nn/convert_deferred_batch_norm.hpp"
+#include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
@@ -55,6 +57,7 @@ class PipeImpl : public torch::nn::Module {
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
       : options_(std::move(options)), layers_(std::move(layers)) {
     verify_ownership(specs);
+    collect_deferred_batch_norms(specs);
     {
       std::vector<std::shared_ptr<torch::nn::Module>> modules;
       for (const auto& spec : specs) modules.push_back(spec.module);
@@ -87,6 +90,7 @@ class PipeImpl : public torch::nn::Module {
   /// Runs the pipeline on a batch of one tensor or a tuple of tensors.
   Batch forward_batch(const Batch& input) {
     if (stages_.empty()) return input;
+    if (!deferred_.empty()) begin_mini_batch(scatter(input, options_.chunks()).size());
     return runtime::run_clock_cycles(stages_, input, options_.chunks(), options_.checkpoint(),
                                      is_training(), skips_->empty() ? nullptr : skips_);
   }
@@ -165,14 +169,6 @@ class PipeImpl : public torch::nn::Module {
     const auto plan =
         schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (!skips_->empty()) {
-      for (const auto& program : plan.programs) {
-        for (const auto& a : program) {
-          TORCH_CHECK(a.kind != schedule::ActionKind::input_grad,
-                      "stagewise::Pipe::train_step: skip connections do not work with a split "
-                      "backward (input_grad / weight_grad, as in zero_bubble_h1) yet; use gpipe, "
-                      "one_f_one_b or interleaved_one_f_one_b with this pipe");
-        }
-      }
       step.skips =
           std::make_shared<detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
     }
@@ -184,6 +180,7 @@ class PipeImpl : public torch::nn::Module {
                 stages_.size(), " stages; a pipe runs at most one worker per stage");
     std::vector<runtime::Worker*> workers(static_cast<std::size_t>(plan.workers));
     for (std::size_t w = 0; w < workers.size(); ++w) workers[w] = &stages_[w]->worker;
+    begin_mini_batch(step.inputs.size());
     return runtime::run_programs(stages_, plan, step, workers, timeline);
   }
 
@@ -245,6 +242,27 @@ class PipeImpl : public torch::nn::Module {
     return *stages_[k];
   }
 
+  // Finds the DeferredBatchNorm layers of every stage; with deferred_batch_norm(true), a plain
+  // batch norm left in a stage (a typed stage, or one hidden in a custom module) is an error.
+  void collect_deferred_batch_norms(const std::vector<detail::StageSpec>& specs) {
+    for (std::size_t k = 0; k < specs.size(); ++k) {
+      const auto& module = specs[k].module;
+      if (!module) continue;
+      if (options_.deferred_batch_norm()) {
+        detail::refuse_hidden_batch_norm(*module, "stage" + std::to_string(k));
+      }
+      for (const auto& m : module->modules()) {
+        if (auto bn = std::dynamic_pointer_cast<DeferredBatchNormImpl>(m)) deferred_.push_back(bn);
+      }
+    }
+  }
+
+  // Each DeferredBatchNorm commits its running statistics after this mini-batch's last
+  // micro-batch, however many the batch splits into.
+  void begin_mini_batch(std::size_t micro_batches) {
+    for (const auto& bn : deferred_) bn->begin_mini_batch(static_cast<int64_t>(micro_batches));
+  }
+
   static void verify_ownership(const std::vector<detail::StageSpec>& specs) {
     std::map<const torch::nn::Module*, std::size_t> seen;
     std::map<const c10::TensorImpl*, std::size_t> owner;
@@ -266,6 +284,7 @@ class PipeImpl : public torch::nn::Module {
   std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::shared_ptr<torch::nn::Module>> layers_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;
+  std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
 };
 
 /// A pipeline over a compile-time stage list (`Pipe<S...>`), or over a torch::nn::Sequential
@@ -299,8 +318,7 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   template <class... T>
   requires(sizeof...(S) == 0 && sizeof...(T) == 0)
       Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
-      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
-            detail::partition(seq, b), std::move(options), layers_of(seq))) {}
+      : Pipe(with_deferred_batch_norm(seq, options), b, options, 0) {}
 
  private:
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
@@ -309,6 +327,16 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
       if (spec.module) out.push_back(spec.module);
     }
     return out;
+  }
+  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options, int)
+      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
+            detail::partition(seq, b), std::move(options), layers_of(seq))) {}
+  // With deferred_batch_norm(true), a copy of `seq` whose batch norms are DeferredBatchNorms
+  // sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself.
+  static torch::nn::Sequential with_deferred_batch_norm(const torch::nn::Sequential& seq,
+                                                        const PipeOptions& options) {
+    if (!options.deferred_batch_norm()) return seq;
+    return convert_deferred_batch_norm(seq, options.chunks());
   }
   static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(
       const torch::nn::Sequential& seq) {

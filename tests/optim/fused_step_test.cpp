@@ -329,27 +329,38 @@ TEST_SUITE("fused step in a pipeline stand-in: stages step on their own backward
 }
 
 TEST_SUITE("fused step: step boundaries and errors") {
-  TEST_CASE("finish_step names a parameter that never got a gradient") {
+  TEST_CASE("finish_step lets a parameter without a gradient skip; strict mode names it") {
     auto net = test::make_net({});
     auto unused = torch::zeros({2}, torch::requires_grad());
     auto named = net->named_parameters();
     named.insert("unused", unused);
     sw::optim::FusedStep fused(named, sgd);
     test::forward_backward(net, 0);
+    fused.finish_step();  // as an unfused optimizer skips it
+    fused.set_strict(true);
+    test::forward_backward(net, 1);
     CHECK_THROWS_WITH(fused.finish_step(),
-                      doctest::Contains("1 of 7 parameters did not step exactly once this step: "
-                                        "parameter 'unused' (shape [2]) got no gradient."));
-    test::forward_backward(net, 1);  // the counts were reset: the next step is checked afresh
+                      doctest::Contains("1 of 7 parameters did not get exactly k gradients and "
+                                        "step once: parameter 'unused' (shape [2]) got no "
+                                        "gradient."));
+    test::forward_backward(net, 2);  // the counts were reset: the next step is checked afresh
     CHECK_THROWS_WITH(fused.finish_step(), doctest::Contains("'unused'"));
   }
-  TEST_CASE("finish_step names parameters with gradients still pending, and frees them") {
+  TEST_CASE("finish_step steps pending gradients; strict mode names them, and frees them") {
     auto net = test::make_net({});
     sw::optim::FusedStep fused(net->parameters(), sgd);
     fused.set_accumulation_steps(2);
+    auto before = net->parameters()[0].detach().clone();
+    test::forward_backward(net, 0);
+    fused.finish_step();
+    CHECK_FALSE(net->parameters()[0].equal(before));
+    CHECK(test::all_grads_empty(net->parameters()));
+    fused.set_strict(true);
+    before = net->parameters()[0].detach().clone();
     test::forward_backward(net, 0);
     CHECK_THROWS_WITH(fused.finish_step(),
-                      doctest::Contains("parameter 0 (shape [16, 6]) has 1 of its 2 gradients and "
-                                        "has not stepped"));
+                      doctest::Contains("parameter 0 (shape [16, 6]) got 1 of its 2 gradients"));
+    CHECK(net->parameters()[0].equal(before));
     CHECK(test::all_grads_empty(net->parameters()));
   }
   TEST_CASE("set_accumulation_steps is checked") {

@@ -1,7 +1,7 @@
-#include "stagewise/pipe.hpp"
 #include "stagewise/runtime/worker.hpp"
+#include "stagewise/pipe.hpp"
+#include "tests/support/autocast.hpp"
 
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <doctest/doctest.h>
@@ -63,7 +63,9 @@ TEST_SUITE("workers") {
   TEST_CASE("one worker per stage, joined when the pipe goes away, even after a stage threw") {
     const int before = thread_count();
     {
-      auto fails = [](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("stage failed"); };
+      auto fails = [](const torch::Tensor&) -> torch::Tensor {
+        throw std::runtime_error("stage failed");
+      };
       auto pipe = sw::Pipe(sw::stages(torch::nn::Linear(2, 2), fails, torch::nn::Linear(2, 2)),
                            sw::PipeOptions().chunks(2));
       CHECK(thread_count() == before + 3);
@@ -82,15 +84,15 @@ TEST_SUITE("workers") {
     std::atomic<int> autocast{-1};
     auto probe = [&](const torch::Tensor& x) {
       grad_enabled = torch::GradMode::is_enabled();
-      autocast = at::autocast::is_cpu_enabled();
+      autocast = sw::testing::cpu_autocast_enabled();
       return x;
     };
     auto pipe = sw::Pipe(sw::stages(probe), sw::PipeOptions().chunks(1));
     {
       torch::NoGradGuard no_grad;
-      at::autocast::set_cpu_enabled(true);
+      sw::testing::set_cpu_autocast(true);
       pipe->forward(torch::rand({1, 1}));
-      at::autocast::set_cpu_enabled(false);
+      sw::testing::set_cpu_autocast(false);
     }
     CHECK(grad_enabled == 0);
     CHECK(autocast == 1);

@@ -202,12 +202,12 @@ TEST_SUITE("verify") {
     CHECK(contains(problem({F(0, 0), B(0, 0)}, 1, 2), "F1@0 never comes"));
   }
 
-  TEST_CASE("actions outside the grid and yielded recomputes are rejected") {
+  TEST_CASE("actions outside the grid and of unknown kinds are rejected") {
     CHECK(contains(problem({F(2, 0)}),
                    "F2@0 (action #0) is outside the pipeline of 2 stages and 2 micro-batches"));
     CHECK(contains(problem({F(0, -1)}), "yield stages 0..1 and micro-batches 0..1"));
-    CHECK(contains(problem({F(0, 0), Action{0, ActionKind::recompute, 0}}, 1, 1),
-                   "R0@0 (action #1) is a recompute"));
+    CHECK(contains(problem({F(0, 0), Action{0, static_cast<ActionKind>('X'), 0}}, 1, 1),
+                   "action #1 has the unknown kind 'X'"));
     CHECK(contains(problem({}, 0, 2), "at least 1 stage and 1 micro-batch"));
   }
 

@@ -1,11 +1,13 @@
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/schedule/chrome_trace.hpp"
+#include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
 #include "tests/support/wellformed.hpp"
@@ -48,6 +50,21 @@ TEST_SUITE("timeline") {
     CHECK(t.busy(0) == 3.0);
     CHECK(t.bubble() == doctest::Approx(0.5));
     CHECK(sched::Timeline{}.bubble() == 0.0);
+    CHECK(t.waiting(0) == 0.0);  // none recorded
+    t.actions[1].waited = 1.0;
+    t.actions[3].waited = 2.0;
+    CHECK(t.waiting(1) == 1.0);
+    CHECK(t.waiting_share() == doctest::Approx(3.0 / 12.0));
+  }
+
+  TEST_CASE("a simulation records each action's wait: 1F1B waits only in fill and drain") {
+    auto sim = sched::simulate(sched::one_f_one_b{}, 2, 2);
+    // Worker 1 waits 1 for F0; worker 0 waits 2 for B0's gradient and 1 for B1's.
+    CHECK(sim.timeline.waiting(1) == 1.0);
+    CHECK(sim.timeline.waiting(0) == 3.0);
+    CHECK(sim.timeline.waiting_share() == doctest::Approx(4.0 / 18.0));
+    // The bubble also counts worker 1's idle time after its last action.
+    CHECK(sim.bubble() == doctest::Approx(6.0 / 18.0));
   }
 }
 
@@ -104,6 +121,29 @@ TEST_SUITE("chrome trace") {
         "{\"name\":\"F0\",\"cat\":\"forward\",\"ph\":\"X\",\"pid\":0,\"tid\":0,\"ts\":0.000,"
         "\"dur\":1000.000,\"args\":{\"stage\":0,\"micro\":0}}"));
     CHECK_FALSE(valid_json(json.substr(0, json.size() - 3)));
+  }
+
+  TEST_CASE("V-shaped schedules draw two stages per worker track, the way up paler") {
+    auto sim = sched::simulate(sched::zero_bubble_v{}, 4, 4);
+    auto json = sched::to_chrome_trace(sim.timeline);
+    CHECK(valid_json(json));
+    CHECK(count(json, "\"ph\":\"M\"") == 2);
+    CHECK(count(json, "\"ph\":\"X\"") == sim.timeline.actions.size());
+    // Worker 0 runs stages 0 and 3, worker 1 stages 1 and 2.
+    CHECK(
+        contains(json, "\"tid\":0,\"ts\":0.000,\"dur\":1.000,\"args\":{\"stage\":0,\"micro\":0}"));
+    CHECK(count(json, "\"tid\":0,") ==
+          count(json, "\"stage\":0,") + count(json, "\"stage\":3,") + 1);
+    auto dual = sched::simulate(sched::dualpipe_v{}, 4, 4);
+    auto svg = sched::to_svg(dual.timeline, {.title = "DualPipeV"});
+    CHECK(balanced_xml(svg));
+    CHECK(count(svg, "<rect") == dual.timeline.actions.size());
+    CHECK(contains(svg, ">worker 1<"));
+    CHECK_FALSE(contains(svg, ">worker 2<"));
+    // Stages 2 and 3 (the way up) are drawn paler.
+    std::size_t up = 0;
+    for (const auto& a : dual.timeline.actions) up += a.action.stage >= 2;
+    CHECK(count(svg, "fill-opacity=\"0.6\"") == up);
   }
 
   TEST_CASE("write_chrome_trace writes the file and names a bad path") {

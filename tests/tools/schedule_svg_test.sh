@@ -32,6 +32,9 @@ check gpipe 64 --schedule=gpipe --stages=4 --micro=8
 check one_f_one_b 64 --schedule=one_f_one_b --stages=4 --micro=8
 check interleaved 128 --schedule=interleaved_one_f_one_b --stages=4 --micro=8 --virtual=2
 check zero_bubble 96 --schedule=zero_bubble_h1 --stages=4 --micro=8
+check looped_bfs 128 --schedule=looped_bfs --stages=4 --micro=8 --virtual=2
+check zero_bubble_v 192 --schedule=zero_bubble_v --stages=4 --micro=8
+check dualpipe_v 150 --schedule=dualpipe_v --stages=4 --micro=8
 check checkpointed 96 --schedule=one_f_one_b --stages=4 --micro=8 --checkpointed=8
 
 expect_error() {  # text args...
@@ -45,6 +48,7 @@ expect_error() {  # text args...
 }
 expect_error "unknown schedule 'pipedream'" --schedule=pipedream --stages=2 --micro=2 --out="$out/x.svg"
 expect_error "--micro is missing" --schedule=gpipe --stages=2 --out="$out/x.svg"
-expect_error "--virtual applies to interleaved_one_f_one_b only" --schedule=gpipe --stages=2 --micro=2 --virtual=2 --out="$out/x.svg"
+expect_error "needs at least 2 x workers = 8 micro-batches" --schedule=dualpipe_v --stages=4 --micro=6 --out="$out/x.svg"
+expect_error "--virtual applies to interleaved_one_f_one_b and looped_bfs only" --schedule=gpipe --stages=2 --micro=2 --virtual=2 --out="$out/x.svg"
 expect_error "cannot open '/no/such/dir/x.svg'" --schedule=gpipe --stages=2 --micro=2 --out=/no/such/dir/x.svg
 exit $fail

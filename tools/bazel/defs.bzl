@@ -7,7 +7,8 @@ def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
         srcs = srcs or [name + ".cpp"],
         deps = ["//:stagewise", "//tests:doctest_main", "//tests:support"] + deps,
         size = size,
-        # Static: doctest's main (and its ThreadSanitizer suppressions) live in the executable.
+        # Static: doctest's main and the sanitizer settings (//tests/sanitizers:defaults, through
+        # //tests:doctest_main) live in the executable, where the sanitizer runtimes find them.
         linkstatic = True,
         **kwargs
     )
@@ -48,7 +49,8 @@ def sw_example(name, deps = [], **kwargs):
     native.cc_binary(
         name = name,
         srcs = [name + ".cpp"],
-        deps = ["//:stagewise"] + deps,
+        # The sanitizer settings (no effect on a plain build), for --config=tsan / asan runs.
+        deps = ["//:stagewise", "//tests/sanitizers:defaults"] + deps,
         **kwargs
     )
     native.sh_test(

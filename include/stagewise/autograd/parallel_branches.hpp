@@ -35,6 +35,10 @@ using TensorBranch = std::function<torch::Tensor(const torch::Tensor&)>;
 /// (grad mode, autocast, intra-op thread count) reaches the workers; under no-grad the branches
 /// just run in parallel and nothing is recorded. An exception from any branch, in forward or
 /// backward, reaches the caller unchanged once the other branches finished or were skipped.
+/// A branch whose inputs are all empty (e.g. an expert that got no tokens: zero rows) runs under
+/// no-grad for its output shapes only: it records no graph and costs nothing in backward, and its
+/// parameters get no gradient (they are left undefined, so optimizers skip them), as when a
+/// sequential loop skips an expert without tokens.
 ///   auto outs = stagewise::parallel_branches(
 ///       {[&](const variable_list& in) { return variable_list{expert0(in[0])}; },
 ///        [&](const variable_list& in) { return variable_list{expert1(in[0])}; }},

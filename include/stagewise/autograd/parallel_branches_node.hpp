@@ -94,6 +94,18 @@ class NoAutocastCache {
   bool previous_;
 };
 
+// True if a branch's inputs hold no element at all (each defined one has a zero dimension, e.g. no
+// rows) and there is at least one.
+inline bool all_empty(const variable_list& inputs) {
+  bool any = false;
+  for (const auto& input : inputs) {
+    if (!input.defined()) continue;
+    if (input.numel() != 0) return false;
+    any = true;
+  }
+  return any;
+}
+
 // Runs every branch's forward on the pool. With `state`, each branch starts from leaf copies of
 // its inputs (recorded in `state->leaves`) so that the branches' graphs are disjoint.
 inline std::vector<variable_list> run_forwards(const std::vector<BranchFn>& branches,
@@ -122,7 +134,14 @@ inline std::vector<variable_list> run_forwards(const std::vector<BranchFn>& bran
     NoAutocastCache no_cache;
     const auto thread = at::RecordFunction::currentThreadId();
     const auto first = at::sequence_number::peek();
-    outputs[i] = branches[i](leaves);
+    if (all_empty(inputs[i])) {
+      // Nothing to compute (an expert that got no tokens): run it for its output shapes only,
+      // recording no graph, so its parameters get no gradient, as when a loop skips it.
+      torch::NoGradGuard no_grad;
+      outputs[i] = branches[i](leaves);
+    } else {
+      outputs[i] = branches[i](leaves);
+    }
     check_self_contained(outputs[i], thread, first, i);
     state->leaves[i] = std::move(leaves);
   });

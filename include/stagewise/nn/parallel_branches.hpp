@@ -108,7 +108,8 @@ class ParallelBranchesImpl : public torch::nn::Module {
                              options.pool());
   }
 
-  /// Runs branch i on `inputs[i]`, e.g. the tokens a router sent to expert i.
+  /// Runs branch i on `inputs[i]`, e.g. the tokens a router sent to expert i. An expert that got
+  /// no tokens (zero rows) returns zero rows, records no graph and gets no gradient.
   std::vector<torch::Tensor> forward_each(const std::vector<torch::Tensor>& inputs) {
     TORCH_CHECK(inputs.size() == branches_.size(), "stagewise::ParallelBranches: forward_each got ",
                 inputs.size(), " inputs for ", branches_.size(),

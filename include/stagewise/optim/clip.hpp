@@ -133,16 +133,14 @@ ClipStepResult clip_grad_norm_step(FusedStep& fused, F&& closure, double max_nor
   st.shared.norm_type = norm_type;
   st.shared.mode.store(detail::FusedMode::norm);
   run();
+  // A parameter that got fewer than k gradients (not reached by every micro-batch) counts with
+  // their sum, as in clip_grad_norm_ after accumulation.
+  for (auto& slot : st.slots) slot->flush();
   st.shared.mode.store(detail::FusedMode::update);
 
   // The total, as clip_grad_norm_ computes it: per-parameter norms in parameter order, stacked.
   std::vector<torch::Tensor> norms;
   for (auto& slot : st.slots) {
-    TORCH_CHECK(slot->arrivals.load() == 0,
-                "stagewise::optim::clip_grad_norm_step: ", slot->describe(), " got ",
-                slot->arrivals.load(), " of its ", slot->accumulation_steps,
-                " gradients in the norm pass. Make the closure run "
-                "every backward pass of the step, or fix set_accumulation_steps.");
     if (slot->has_norm) norms.push_back(slot->norm);
     slot->has_norm = false;
     slot->norm = torch::Tensor();
@@ -164,6 +162,7 @@ ClipStepResult clip_grad_norm_step(FusedStep& fused, F&& closure, double max_nor
   rng.restore();
   ClipStepResult result;
   result.loss = run();
+  for (auto& slot : st.slots) slot->flush();  // fewer than k gradients: clipped and stepped too
   result.total_norm = total_norm;
   guard.done = true;
   return result;

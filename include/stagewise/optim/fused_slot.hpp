@@ -64,6 +64,7 @@ enum class FusedMode : int { update, norm };
 // Shared by every parameter's hook. Written only between backward passes.
 struct FusedShared {
   std::atomic<FusedMode> mode{FusedMode::update};
+  bool strict = false;      // finish_step: also report parameters without every gradient
   double norm_type = 2.0;   // norm pass: the norm to take
   torch::Tensor clip_coef;  // update pass: defined while clipping, multiplies each gradient
   std::atomic<std::int64_t> updated{0};  // parameters stepped since the last finish_step
@@ -101,6 +102,20 @@ struct FusedSlot {
     const int arrived = arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (arrived < accumulation_steps) return;  // not the last micro-batch: keep accumulating
     arrivals.store(0, std::memory_order_relaxed);
+    use_gradient();
+  }
+
+  // Uses gradients still pending at the end of a step: the parameter got fewer than k (some
+  // micro-batches did not reach it, e.g. an expert without tokens there), and steps on their sum,
+  // as an unfused optimizer would. Between steps only (no backward running).
+  void flush() {
+    if (arrivals.load() == 0) return;
+    arrivals.store(0);
+    use_gradient();
+  }
+
+  // Steps on (or, in the norm pass, measures) the gradient in .grad, then frees it.
+  void use_gradient() {
     torch::NoGradGuard no_grad;
     torch::Tensor& grad = param.mutable_grad();
     if (shared->mode.load(std::memory_order_acquire) == FusedMode::norm) {

@@ -36,7 +36,10 @@ namespace optim {
 /// A parameter steps on its k-th gradient since its last step (k = `set_accumulation_steps`,
 /// default 1): one per backward pass that reaches it. With micro-batches (gradient accumulation,
 /// a pipeline stage's M backward passes) set k to their number; gradients are then held, as
-/// usual, until the last one. `finish_step()` checks that every parameter stepped exactly once.
+/// usual, until the last one. A parameter that gets no gradient in a step does not step, as
+/// with an unfused optimizer whose gradients are reset to none (`zero_grad()` in LibTorch 2.x;
+/// 1.13's zeroes them instead: reset them by hand, `p.mutable_grad().reset()`, to compare).
+/// `finish_step()` steps parameters that got fewer than k and reports one that stepped twice.
 ///
 /// Threads: a parameter's hook runs on the thread running its backward; different parameters
 /// may step concurrently on different threads (one pipeline stage each), with no shared lock.
@@ -87,40 +90,74 @@ class FusedStep {
     for (const auto& p : params) find(p, "set_accumulation_steps").accumulation_steps = k;
   }
 
-  /// Ends a step: checks that every parameter stepped exactly once since the last call (a
-  /// pipeline calls it after its last backward) and resets the per-step counts. Throws, naming
-  /// the parameters, if one got no gradient, has gradients still pending, or stepped twice.
+  /// Ends a step (a pipeline calls it after its last backward). A parameter that got fewer than
+  /// k gradients (k = `set_accumulation_steps`; some micro-batches did not reach it) steps now on
+  /// their sum; one that got none does not step. Both are what an unfused optimizer does with
+  /// gradients reset to none between steps, and both are normal, e.g. for the experts of a
+  /// mixture-of-experts layer that got no tokens. Throws, naming the parameters, only if one got
+  /// more than k gradients (it stepped more than once: k is wrong, or a layer recomputed twice
+  /// needs `set_accumulation_steps(2 * k, params)`); in strict mode (`set_strict(true)`) also if
+  /// one got fewer than k. Then resets the per-step counts; before throwing it frees pending
+  /// gradients unused, so the next step starts clean.
+  ///   loss.backward();
+  ///   fused.finish_step();
   void finish_step() {
     auto& st = state();
     TORCH_CHECK(
         st.attached,
         "stagewise::optim::FusedStep::finish_step: the fused step is detached, so no "
         "parameter stepped. Call attach() before the step, or step the optimizer yourself.");
+    const bool strict = st.shared.strict;
     std::ostringstream problems;
     int count = 0;
     for (const auto& slot : st.slots) {
       const int pending = slot->arrivals.load();
       const int updates = slot->updates.load();
-      if (pending == 0 && updates == 1) continue;
-      problems << (count++ ? "; " : "") << slot->describe();
-      if (pending != 0) {
-        problems << " has " << pending << " of its " << slot->accumulation_steps
-                 << " gradients and has not stepped";
-      } else if (updates == 0) {
-        problems << " got no gradient";
-      } else {
-        problems << " stepped " << updates << " times";
+      const int k = slot->accumulation_steps;
+      if (updates > 1 || (updates == 1 && pending > 0)) {
+        problems << (count++ ? "; " : "") << slot->describe() << " stepped " << updates
+                 << (updates == 1 ? " time" : " times");
+        if (pending > 0) problems << " and then got " << pending << " more gradients";
+      } else if (strict && updates == 0) {
+        problems << (count++ ? "; " : "") << slot->describe();
+        if (pending == 0) {
+          problems << " got no gradient";
+        } else {
+          problems << " got " << pending << " of its " << k << " gradients";
+        }
       }
     }
+    if (count > 0) {
+      reset_step();
+      TORCH_CHECK(
+          !strict, "stagewise::optim::FusedStep::finish_step (strict): ", count, " of ",
+          st.slots.size(),
+          " parameters did not get exactly k gradients and step once: ", problems.str(),
+          ". Set set_accumulation_steps(k) to the number of backward passes per step and "
+          "set_accumulation_steps(k, params) for parameters that get several gradients per "
+          "backward (a layer recomputed twice). A parameter that is not used in every step (an "
+          "expert that got no tokens) is normal: call set_strict(false) to let it skip the step, "
+          "as unfused optimizers do.");
+      TORCH_CHECK(false, "stagewise::optim::FusedStep::finish_step: ", count, " of ",
+                  st.slots.size(), " parameters stepped more than once this step: ", problems.str(),
+                  ". Set set_accumulation_steps(k) to the number of backward passes per step, "
+                  "and set_accumulation_steps(k, params) for parameters that get several "
+                  "gradients per backward (a layer recomputed twice).");
+    }
+    for (auto& slot : st.slots) slot->flush();
     reset_step();
-    TORCH_CHECK(count == 0, "stagewise::optim::FusedStep::finish_step: ", count, " of ",
-                st.slots.size(),
-                " parameters did not step exactly once this step: ", problems.str(),
-                ". Set set_accumulation_steps(k) to the number of backward passes per step, "
-                "set_accumulation_steps(k, params) for parameters that get several gradients "
-                "per backward (a layer recomputed twice), and leave out parameters that get no "
-                "gradient.");
   }
+
+  /// Strict mode for `finish_step`: also report a parameter that got fewer gradients than k in a
+  /// step, none included, instead of letting it skip the step. Use it to catch a dead branch (a
+  /// layer the loss never reaches). Off by default. Between steps only.
+  ///   fused.set_strict(true);  // every parameter must get a gradient every step
+  void set_strict(bool strict) {
+    check_between_steps("set_strict");
+    state().shared.strict = strict;
+  }
+  /// True in strict mode; see `set_strict`.
+  bool strict() const { return state().shared.strict; }
 
   /// Forgets the current step (e.g. after an exception mid-backward): pending gradients are
   /// freed and the counts reset; optimizer state is kept.

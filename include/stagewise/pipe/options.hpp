@@ -37,14 +37,26 @@ class PipeOptions {
     return *this;
   }
 
+  /// Deferred batch norm (default off): when the Pipe is built from a Sequential, every
+  /// BatchNorm1d/2d/3d with running statistics becomes a `DeferredBatchNorm` sharing its
+  /// parameters and buffers, whose running mean and variance are updated once per mini-batch, as
+  /// plain batch norm over the whole mini-batch would (see docs/pipe.md).
+  ///   stagewise::PipeOptions().chunks(4).deferred_batch_norm(true)
+  PipeOptions& deferred_batch_norm(bool on) {
+    deferred_batch_norm_ = on;
+    return *this;
+  }
+
   int64_t chunks() const { return chunks_; }
   Checkpoint checkpoint() const { return checkpoint_; }
   const std::vector<torch::Device>& devices() const { return devices_; }
+  bool deferred_batch_norm() const { return deferred_batch_norm_; }
 
  private:
   int64_t chunks_ = 1;
   Checkpoint checkpoint_ = Checkpoint::except_last;
   std::vector<torch::Device> devices_;
+  bool deferred_batch_norm_ = false;
 };
 
 }  // namespace stagewise

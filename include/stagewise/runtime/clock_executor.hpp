@@ -51,6 +51,14 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
   std::vector<std::optional<Batch>> outs(static_cast<std::size_t>(n));
   std::vector<Worker*> workers;
   workers.reserve(static_cast<std::size_t>(n));
+  // One autocast cast per weight and pass, as on the caller's thread: the cells of a stage keep
+  // their worker's cast cache between cycles, and every worker's cache is cleared at the end.
+  std::vector<Worker*> all_workers;
+  for (auto& s : stages) all_workers.push_back(&s->worker);
+  struct ClearCaches {
+    std::vector<Worker*>& ws;
+    ~ClearCaches() { clear_autocast_caches(ws); }
+  } clear_at_end{all_workers};
   for (const auto& cycle : schedule::clock_cycles(m, n)) {
     for (const auto& c : cycle) {
       auto& b = batches[c.micro];
@@ -69,7 +77,7 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
       const auto c = cycle[k];
       outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, replay, training,
                                            portals.wrapper(c.micro, c.stage)));
-    });
+    }, AutocastCache::keep);
     for (std::size_t k = 0; k < cycle.size(); ++k) {
       batches[cycle[k].micro] = std::move(*outs[k]);
       outs[k].reset();

@@ -183,12 +183,17 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
       device_guard.emplace(stage.device);
       stream_guard.emplace(stage.compute);
     }
-    // Wait for what the action consumes; its recorded time starts once that is here.
+    // Wait for what the action consumes; its recorded time starts once that is here, and the
+    // time spent waiting is recorded beside it (Timeline::waiting).
+    const double ready = record ? now() : 0.0;
     std::optional<Message> received;
     std::optional<Message> grad;
     if (a.kind == ActionKind::forward && j > 0) {
       received = mail.recv({MessageKind::activation, j, i});
       if (!received) throw detail::Aborted{};
+    }
+    if (a.kind == ActionKind::forward && step.skips && !step.skips->receive(stages, j, i, mail)) {
+      throw detail::Aborted{};
     }
     if ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !last) {
       grad = mail.recv({MessageKind::gradient, j, i});
@@ -206,7 +211,6 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
           x = stage.receive(in, stages[static_cast<std::size_t>(j - 1)].get(),
                             static_cast<std::size_t>(i));
         }
-        if (step.skips && !step.skips->receive(stages, j, i, mail)) throw detail::Aborted{};
         Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
         if (step.skips) step.skips->send(j, i, mail);
         if (!last) {
@@ -244,8 +248,27 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
         std::vector<torch::Tensor> outs;
         std::vector<torch::Tensor> grads;
         detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
+        // A stashing cell's I starts from its outputs and its stashed tensors (with the gradients
+        // their popping stages sent back), as its B would; a popping cell's I also asks for the
+        // gradients of the skips it popped and sends them back at once, as it does its inputs'.
+        if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
+          throw detail::Aborted{};
+        }
+        std::vector<torch::Tensor> targets = cell.leaves;
+        const std::size_t inputs = targets.size();
+        if (step.skips) {
+          for (auto& t :
+               step.skips->popped(static_cast<std::size_t>(j), static_cast<std::size_t>(i)))
+            targets.push_back(std::move(t));
+        }
         cell.split.emplace();
-        auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), cell.leaves);
+        auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), targets);
+        if (step.skips) {
+          const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs,
+                                                      input_grads.end());
+          step.skips->send_grads(j, i, mail, &skip_grads);
+          input_grads.resize(inputs);
+        }
         if (j > 0) {
           mail.send({MessageKind::gradient, j - 1, i},
                     Message{std::move(input_grads), cell.input_atomic});
@@ -262,7 +285,7 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
         break;
       }
     }
-    if (record) record->push_back({a, w, start, now()});
+    if (record) record->push_back({a, w, start, now(), start - ready});
   }
   return total;
 }

@@ -68,7 +68,8 @@ struct WeightPart {
 ///   split.weight_grad();                          // W: later, parameters' .grad
 class SplitBackward {
  public:
-  /// I: the gradients of `inputs` (undefined where an input gets none) for `outputs` with
+  /// I: the gradients of `inputs` (undefined where an input gets none, or is undefined) for
+  /// `outputs` with
   /// gradients `grads`; keeps what `weight_grad` needs. Outputs that do not require grad or get
   /// an undefined gradient are skipped.
   std::vector<torch::Tensor> input_grad(std::vector<torch::Tensor> outputs,
@@ -84,7 +85,7 @@ class SplitBackward {
     std::vector<torch::Tensor> wanted;
     std::vector<std::size_t> at;
     for (std::size_t k = 0; k < inputs.size(); ++k) {
-      if (inputs[k].requires_grad()) {
+      if (inputs[k].defined() && inputs[k].requires_grad()) {
         wanted.push_back(inputs[k]);
         at.push_back(k);
       }
@@ -141,7 +142,7 @@ class SplitBackward {
   void analyse(const std::vector<torch::Tensor>& inputs) {
     std::unordered_set<const c10::TensorImpl*> input_set;
     for (const auto& x : inputs) {
-      if (x.requires_grad()) input_set.insert(x.unsafeGetTensorImpl());
+      if (x.defined() && x.requires_grad()) input_set.insert(x.unsafeGetTensorImpl());
     }
     std::vector<Info> nodes;
     std::unordered_map<Node*, std::size_t> index;

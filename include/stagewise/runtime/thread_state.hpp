@@ -60,13 +60,16 @@ class ThreadState {
 /// settings afterwards (the intra-op thread count stays, as the next task sets it again).
 ///
 /// On a thread that is not the one that captured the state, it also clears LibTorch's autocast
-/// cast cache on exit: that cache is per thread and only the capturing thread's owner clears it,
-/// so a worker's cached casts of parameters would otherwise go stale after an optimizer step.
+/// cast cache on exit (unless `keep_autocast_cache`): that cache is per thread and only the
+/// capturing thread's owner clears it, so a worker's cached casts of parameters would otherwise go
+/// stale after an optimizer step. An executor that runs one pass as several tasks on a worker
+/// keeps the cache between them (one cast of a weight per pass, as in the unpipelined model) and
+/// clears it when the pass ends.
 ///   stagewise::ThreadStateGuard guard(caller);  // grad mode, autocast ... as on the caller
 class ThreadStateGuard {
  public:
-  explicit ThreadStateGuard(const ThreadState& state)
-      : clear_autocast_cache_(std::this_thread::get_id() != state.owner_),
+  explicit ThreadStateGuard(const ThreadState& state, bool keep_autocast_cache = false)
+      : clear_autocast_cache_(!keep_autocast_cache && std::this_thread::get_id() != state.owner_),
 #if STAGEWISE_CARRY_AUTOCAST_DTYPES
         previous_cpu_dtype_(at::autocast::get_autocast_cpu_dtype()),
         previous_gpu_dtype_(at::autocast::get_autocast_gpu_dtype()),

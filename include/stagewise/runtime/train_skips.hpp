@@ -106,15 +106,35 @@ class TrainSkips {
     return true;
   }
 
-  /// After the backward of cell (j, i): sends the popped leaves' gradients back to their
-  /// stashing stages and frees the cell's skips.
-  template <runtime::transport Transport>
-  void send_grads(std::size_t j, std::size_t i, Transport& transport) {
+  /// The skips popped by cell (j, i), as the leaves of its graph, in the order `send_grads`
+  /// takes their gradients (undefined for a skip that did not arrive or was None). A split
+  /// backward's I asks for their gradients beside the stage inputs'.
+  std::vector<torch::Tensor> popped(std::size_t j, std::size_t i) {
     auto& cell = cell_at(j, i);
+    std::vector<torch::Tensor> out;
+    for (const auto& r : layout_->copies_into(j)) {
+      auto it = cell.leaves.find(r.skip);
+      out.push_back(it == cell.leaves.end() ? torch::Tensor() : it->second);
+    }
+    return out;
+  }
+
+  /// After the backward (B, or I) of cell (j, i): sends the popped leaves' gradients back to
+  /// their stashing stages and frees the cell's skips. The gradients are the leaves' `.grad`
+  /// after a B; after an I, which accumulates nothing, give them as `given` (in `popped`'s
+  /// order), so the stashing stage's backward can start whether its consumer ran B or I then W.
+  template <runtime::transport Transport>
+  void send_grads(std::size_t j, std::size_t i, Transport& transport,
+                  const std::vector<torch::Tensor>* given = nullptr) {
+    auto& cell = cell_at(j, i);
+    std::size_t k = 0;
     for (const auto& r : layout_->copies_into(j)) {
       auto it = cell.leaves.find(r.skip);
       torch::Tensor g;
-      if (it != cell.leaves.end() && it->second.defined() && it->second.requires_grad()) {
+      if (given) {
+        if (k < given->size()) g = (*given)[k];
+        ++k;
+      } else if (it != cell.leaves.end() && it->second.defined() && it->second.requires_grad()) {
         g = it->second.grad();
       }
       transport.send(key(runtime::MessageKind::skip_grad, r.stash_stage, i, *r.skip),

@@ -3,7 +3,11 @@
 #include "stagewise/coro/generator.hpp"
 #include "stagewise/schedule/action.hpp"
 
+#include <algorithm>
 #include <concepts>
+#include <cstddef>
+#include <string>
+#include <vector>
 
 namespace stagewise::schedule {
 
@@ -29,6 +33,16 @@ concept interleaved_schedule = pipeline_schedule<S> && requires(const S& s, int 
   { s.workers(stages) } -> std::convertible_to<int>;
 };
 
+/// A schedule that also says where each stage runs: `s.worker_of(stage, stages)` names the
+/// worker of `stage` (0 .. workers(stages)-1), for placements other than `k % workers`. The
+/// V-shaped schedules put stages w and 2K-1-w on worker w, so a micro-batch goes down the
+/// workers and back up, and the turn (stages K-1 and K) stays on one worker.
+///   stagewise::schedule::zero_bubble_v{}.worker_of(5, 8)  // 2: worker 2 runs stages 2 and 5
+template <class S>
+concept placed_schedule = interleaved_schedule<S> && requires(const S& s, int stage, int stages) {
+  { s.worker_of(stage, stages) } -> std::convertible_to<int>;
+};
+
 /// How many workers run `stages` stages under schedule `s`: `s.workers(stages)` for an
 /// interleaved schedule, otherwise one per stage.
 template <pipeline_schedule S>
@@ -40,5 +54,57 @@ int workers_of(const S& s, int stages) {
     return stages;
   }
 }
+
+/// The worker of every stage under schedule `s`: `s.worker_of(k, stages)` for a placed schedule,
+/// otherwise `k % workers_of(s, stages)` (one stage per worker, or interleaved).
+///   stagewise::schedule::placement_of(stagewise::schedule::zero_bubble_v{}, 4)  // {0, 1, 1, 0}
+template <pipeline_schedule S>
+std::vector<int> placement_of(const S& s, int stages) {
+  const int workers = workers_of(s, stages);
+  std::vector<int> out(static_cast<std::size_t>(std::max(stages, 0)));
+  for (int k = 0; k < stages; ++k) {
+    if constexpr (placed_schedule<S>) {
+      out[static_cast<std::size_t>(k)] = static_cast<int>(s.worker_of(k, stages));
+    } else {
+      out[static_cast<std::size_t>(k)] = workers > 0 ? k % workers : 0;
+    }
+  }
+  return out;
+}
+
+namespace detail {
+
+// What is wrong with a placement of `stages` stages on `workers` workers, or "" when every
+// stage names a worker in range and every worker runs at least one stage.
+inline std::string placement_problem(const std::vector<int>& placement, int stages, int workers) {
+  if (workers < 1 || workers > stages) {
+    return "the schedule puts " + std::to_string(stages) + " stages on " + std::to_string(workers) +
+           " workers; give each worker at least one stage (1 <= workers(stages) <= stages)";
+  }
+  if (static_cast<int>(placement.size()) != stages) {
+    return "the placement names " + std::to_string(placement.size()) +
+           " stages, the pipeline has " + std::to_string(stages);
+  }
+  std::vector<char> used(static_cast<std::size_t>(workers), 0);
+  for (int k = 0; k < stages; ++k) {
+    const int w = placement[static_cast<std::size_t>(k)];
+    if (w < 0 || w >= workers) {
+      return "worker_of(" + std::to_string(k) + ", " + std::to_string(stages) + ") is " +
+             std::to_string(w) + ", outside the " + std::to_string(workers) +
+             " workers; return 0.." + std::to_string(workers - 1);
+    }
+    used[static_cast<std::size_t>(w)] = 1;
+  }
+  for (int w = 0; w < workers; ++w) {
+    if (!used[static_cast<std::size_t>(w)]) {
+      return "worker " + std::to_string(w) +
+             " runs no stage; make workers(stages) the number of "
+             "workers that worker_of uses";
+    }
+  }
+  return "";
+}
+
+}  // namespace detail
 
 }  // namespace stagewise::schedule

@@ -131,8 +131,8 @@ Replay replay(const std::vector<std::vector<Action>>& programs, Dependencies& de
         const double start = std::max(clock[w], *ready);
         const double end = start + cost(a);
         deps.finish(a, end);
+        out.timed.push_back({a, static_cast<int>(w), start, end, start - clock[w]});
         clock[w] = end;
-        out.timed.push_back({a, static_cast<int>(w), start, end});
         ++next;
         progress = true;
       }

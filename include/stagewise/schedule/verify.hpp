@@ -32,21 +32,18 @@ inline bool known_kind(ActionKind k) {
 }
 
 // The first thing wrong with a schedule's stream of actions, or nothing. Checks, in the order
-// the actions were yielded: each action inside the grid and of a kind a schedule may yield; per
-// stage a cell's F before its B or I, I before W, and nothing twice; then that every cell ran
-// (F, and B or I+W); then, on a virtual clock, that no worker waits for something that can never
-// come.
+// the actions were yielded: each action inside the grid and of a known kind; per stage a cell's
+// F before its B or I, I before W, a recompute R between the cell's F and its first B or I, and
+// nothing twice; then that every cell ran (F, and B or I+W); then, on a virtual clock with each
+// stage on its worker (`placement`), that no worker waits for something that can never come.
 inline std::optional<std::string> first_problem(const std::vector<Action>& actions, int n, int m,
-                                                int workers) {
+                                                const std::vector<int>& placement, int workers) {
   if (n < 1 || m < 1) {
     return "a pipeline needs at least 1 stage and 1 micro-batch, got " + std::to_string(n) +
            " stages and " + std::to_string(m) + " micro-batches";
   }
-  if (workers < 1 || workers > n || n % workers != 0) {
-    return "the schedule puts " + std::to_string(n) + " stages on " + std::to_string(workers) +
-           " workers; workers(stages) must divide the number of stages";
-  }
-  enum : unsigned { f = 1, b = 2, i = 4, w = 8 };
+  if (auto bad = placement_problem(placement, n, workers); !bad.empty()) return bad;
+  enum : unsigned { f = 1, b = 2, i = 4, w = 8, rc = 16 };
   std::vector<unsigned> seen(static_cast<std::size_t>(n) * static_cast<std::size_t>(m), 0);
   auto name = [](ActionKind k, int stage, int micro) { return to_string(Action{stage, k, micro}); };
   for (std::size_t p = 0; p < actions.size(); ++p) {
@@ -54,17 +51,12 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
     if (!known_kind(a.kind)) {
       return "action #" + std::to_string(p) + " has the unknown kind '" +
              std::string(1, static_cast<char>(a.kind)) +
-             "'; yield ActionKind::forward, backward, input_grad or weight_grad";
+             "'; yield ActionKind::forward, backward, input_grad, weight_grad or recompute";
     }
     if (a.stage < 0 || a.stage >= n || a.micro < 0 || a.micro >= m) {
       return at(a, p) + " is outside the pipeline of " + std::to_string(n) + " stages and " +
              std::to_string(m) + " micro-batches; yield stages 0.." + std::to_string(n - 1) +
              " and micro-batches 0.." + std::to_string(m - 1);
-    }
-    if (a.kind == ActionKind::recompute) {
-      return at(a, p) +
-             " is a recompute; a schedule yields only F, B, I and W (stagewise inserts R "
-             "before the first backward of each checkpointed micro-batch)";
     }
     auto& cell = seen[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
                       static_cast<std::size_t>(a.micro)];
@@ -106,7 +98,25 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
         }
         cell |= w;
         break;
-      default:
+      case ActionKind::recompute:
+        if (!(cell & f)) {
+          return at(a, p) + " comes before " + name(ActionKind::forward, a.stage, a.micro) + where +
+                 "; a recompute re-runs a forward, so yield it after " +
+                 name(ActionKind::forward, a.stage, a.micro) + " and before " +
+                 name(ActionKind::backward, a.stage, a.micro) + " or " +
+                 name(ActionKind::input_grad, a.stage, a.micro);
+        }
+        if (cell & (b | i)) {
+          return at(a, p) + " follows " +
+                 name(cell & b ? ActionKind::backward : ActionKind::input_grad, a.stage, a.micro) +
+                 "; the first backward of a checkpointed cell uses what its recompute rebuilds, "
+                 "so yield the R before it";
+        }
+        if (cell & rc) {
+          return at(a, p) + " repeats the recompute of micro-batch " + std::to_string(a.micro) +
+                 where + "; give each checkpointed cell at most one R";
+        }
+        cell |= rc;
         break;
     }
   }
@@ -135,7 +145,7 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
   std::vector<std::vector<Action>> programs(static_cast<std::size_t>(workers));
   std::vector<std::vector<std::size_t>> positions(static_cast<std::size_t>(workers));
   for (std::size_t p = 0; p < actions.size(); ++p) {
-    const auto wk = static_cast<std::size_t>(actions[p].stage % workers);
+    const auto wk = static_cast<std::size_t>(placement[static_cast<std::size_t>(actions[p].stage)]);
     programs[wk].push_back(actions[p]);
     positions[wk].push_back(p);
   }
@@ -170,14 +180,16 @@ std::vector<Action> collect(const S& sched, int stages, int micro_batches) {
 ///   if (auto problem = stagewise::schedule::check(my_schedule{}, 4, 8)) std::cerr << *problem;
 template <pipeline_schedule S>
 std::optional<std::string> check(const S& sched, int stages, int micro_batches) {
+  const int workers = workers_of(sched, stages);
   return detail::first_problem(detail::collect(sched, stages, micro_batches), stages, micro_batches,
-                               workers_of(sched, stages));
+                               placement_of(sched, stages), workers);
 }
 
 /// Rejects an invalid schedule before anything runs, throwing c10::Error with a message naming
 /// the first bad action: an action outside the grid, a cell's B or I before its F or W before
-/// its I, a cell run twice or never, or a deadlock (a worker waiting for something that can never
-/// come). `train_step` calls it on every schedule it runs.
+/// its I, a recompute R not between its cell's F and first B or I, a cell run twice or never, a
+/// placement naming a worker out of range, or a deadlock (a worker waiting for something that can
+/// never come). `train_step` calls it on every schedule it runs.
 ///   stagewise::schedule::verify(stagewise::schedule::one_f_one_b{}, 4, 8);  // fine
 ///   // "stagewise::schedule::verify: B3@1 (action #9) comes before F3@1 on stage 1; ..."
 template <pipeline_schedule S>

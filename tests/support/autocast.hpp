@@ -1,0 +1,30 @@
+#pragma once
+
+// CPU autocast switches for tests, on every LibTorch version: the CPU-specific calls
+// (`at::autocast::set_cpu_enabled`) are deprecated from 2.4 in favour of the device-type forms.
+//   stagewise::testing::set_cpu_autocast(true);  ...  stagewise::testing::set_cpu_autocast(false);
+
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
+namespace stagewise::testing {
+
+/// Whether CPU autocast is on for this thread.
+inline bool cpu_autocast_enabled() {
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+  return at::autocast::is_cpu_enabled();
+#else
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#endif
+}
+
+/// Turns CPU autocast on or off for this thread.
+inline void set_cpu_autocast(bool enabled) {
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+  at::autocast::set_cpu_enabled(enabled);
+#else
+  at::autocast::set_autocast_enabled(at::kCPU, enabled);
+#endif
+}
+
+}  // namespace stagewise::testing
