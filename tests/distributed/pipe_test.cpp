@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <stdlib.h>
 
 #include <chrono>
 #include <optional>
@@ -111,10 +112,11 @@ void compare(const sw::runtime::Connection& c, const std::string& name, const Sc
   auto ref_seq = model(skip);
   const auto b = virtual_stages == 2 ? sw::balance{2, 2, 2, 2} : sw::balance{4, 4};
   auto options = sw::PipeOptions().chunks(4).checkpoint(mode);
-  sw::distributed::Pipe pipe(c, seq, b, options,
-                             sw::distributed::Options()
-                                 .virtual_stages(virtual_stages)
-                                 .transport(sw::runtime::C10dOptions().prefix(name).timeout(20s)));
+  auto dist = sw::distributed::Options()
+                  .virtual_stages(virtual_stages)
+                  .transport(sw::runtime::C10dOptions().prefix(name).timeout(20s));
+  if constexpr (sched::placed_schedule<Schedule>) dist.placed_like(s);
+  sw::distributed::Pipe pipe(c, seq, b, options, dist);
   auto ref = sw::Pipe(ref_seq, b, options);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
@@ -172,6 +174,9 @@ TEST_SUITE("distributed pipe") {
             dp::compare(c, "1f1b-" + m, sched::one_f_one_b{}, 1, mode, false, false);
             dp::compare(c, "zb-" + m, sched::zero_bubble_h1{}, 1, mode, false, false);
             dp::compare(c, "il-" + m, sched::interleaved_one_f_one_b{2}, 2, mode, false, false);
+            dp::compare(c, "bfs-" + m, sched::looped_bfs{2}, 2, mode, false, false);
+            dp::compare(c, "zbv-" + m, sched::zero_bubble_v{}, 2, mode, false, false);
+            dp::compare(c, "dpv-" + m, sched::dualpipe_v{}, 2, mode, false, false);
           }
         },
         240s);
@@ -187,16 +192,22 @@ TEST_SUITE("distributed pipe") {
         2,
         [](int) {
           auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
-          for (auto mode : {sw::Checkpoint::always, sw::Checkpoint::never}) {
+          for (auto mode :
+               {sw::Checkpoint::always, sw::Checkpoint::except_last, sw::Checkpoint::never}) {
             const std::string m = dp::mode_name(mode);
             dp::compare(c, "skip-gpipe-" + m, sched::gpipe{}, 1, mode, true, false);
             dp::compare(c, "skip-1f1b-" + m, sched::one_f_one_b{}, 1, mode, true, false);
+            dp::compare(c, "skip-zb-" + m, sched::zero_bubble_h1{}, 1, mode, true, false);
             dp::compare(c, "skip-il-" + m, sched::interleaved_one_f_one_b{2}, 2, mode, true, false);
+            dp::compare(c, "skip-zbv-" + m, sched::zero_bubble_v{}, 2, mode, true, false);
+            dp::compare(c, "fused-gpipe-" + m, sched::gpipe{}, 1, mode, false, true);
+            dp::compare(c, "fused-1f1b-" + m, sched::one_f_one_b{}, 1, mode, false, true);
+            dp::compare(c, "fused-zb-" + m, sched::zero_bubble_h1{}, 1, mode, false, true);
+            dp::compare(c, "fused-il-" + m, sched::interleaved_one_f_one_b{2}, 2, mode, false,
+                        true);
           }
-          dp::compare(c, "fused-1f1b", sched::one_f_one_b{}, 1, sw::Checkpoint::except_last, false,
-                      true);
-          dp::compare(c, "fused-zb", sched::zero_bubble_h1{}, 1, sw::Checkpoint::never, false,
-                      true);
+          dp::compare(c, "fused-skip-1f1b", sched::one_f_one_b{}, 1, sw::Checkpoint::except_last,
+                      true, true);
         },
         240s);
     for (int k = 0; k < 2; ++k) {
@@ -243,6 +254,21 @@ TEST_SUITE("distributed pipe") {
     CHECK(contains(r[0].text, "stagewise: rank 1 is gone: its connection closed while rank 0"));
   }
 
+  TEST_CASE("a pipe started without the torchrun variables names the missing one and the fix") {
+    auto r = run_ranks(
+        1,
+        [](int) {
+          ::unsetenv("WORLD_SIZE");
+          report(error_of([] { sw::distributed::Pipe(dp::model(false), sw::balance{4, 4}); }));
+        },
+        30s);
+    CHECK(r[0].status == 0);
+    CHECK(r[0].text ==
+          "stagewise: the environment variable WORLD_SIZE is not set. Start every rank with "
+          "MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK set, as torchrun does, e.g. "
+          "tools/launch -n 2 -- ./train");
+  }
+
   TEST_CASE("bad configurations are named on every rank before any step") {
     auto r = run_ranks(
         2,
@@ -266,7 +292,12 @@ TEST_SUITE("distributed pipe") {
               sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("il")));
           auto [x, y] = dp::batch(0);
           out +=
-              error_of([&] { pipe.train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); });
+              error_of([&] { pipe.train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); }) +
+              "\n";
+          sw::distributed::Pipe round_robin(c, dp::model(false), sw::balance{2, 2, 2, 2}, {},
+                                            sw::distributed::Options().virtual_stages(2).transport(
+                                                sw::runtime::C10dOptions().prefix("v")));
+          out += error_of([&] { round_robin.train_step(x, y, dp::mse, sched::zero_bubble_v{}); });
           report(out);
         },
         60s);
@@ -282,7 +313,10 @@ TEST_SUITE("distributed pipe") {
             "every rank must build the same model and balance\n"
             "stagewise::distributed::Pipe::train_step: the schedule runs the 2 stages on 1 "
             "workers but the pipe was built for 2 ranks (Options::virtual_stages 1); build the "
-            "pipe with the schedule's stages per rank");
+            "pipe with the schedule's stages per rank\n"
+            "stagewise::distributed::Pipe::train_step: the schedule runs stage 2 on worker 1 but "
+            "the pipe keeps it on rank 0; build the pipe with Options().placed_like(schedule) for "
+            "a V-shaped schedule, or pass a schedule that places stage j on rank j % 2");
     }
   }
 }

@@ -1,9 +1,12 @@
 #include "stagewise/schedule/comms.hpp"
+#include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
+#include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
 
@@ -39,6 +42,9 @@ void for_each_schedule(int stages, int m, int checkpointed, Check check) {
   if (stages % 2 == 0) {
     check("interleaved{2}",
           sched::plan(sched::interleaved_one_f_one_b{2}, stages, m, checkpointed));
+    check("looped_bfs{2}", sched::plan(sched::looped_bfs{2}, stages, m, checkpointed));
+    check("zb-v", sched::plan(sched::zero_bubble_v{}, stages, m, checkpointed));
+    if (m >= stages) check("dualpipe-v", sched::plan(sched::dualpipe_v{}, stages, m, checkpointed));
   }
 }
 
@@ -69,6 +75,17 @@ TEST_SUITE("comms") {
     CHECK(c.programs[0][1].transfer == Transfer{TransferKind::skip, 0, 2, 0, 0});
   }
 
+  TEST_CASE("V-shaped placement: stage 3 of 4 runs on worker 0, next to stage 0") {
+    const auto c = sched::comms(sched::plan(sched::zero_bubble_v{}, 4, 2));
+    CHECK(c.worker_of(0) == 0);
+    CHECK(c.worker_of(1) == 1);
+    CHECK(c.worker_of(2) == 1);
+    CHECK(c.worker_of(3) == 0);
+    CHECK(contains(steps(c, 0), "recv a0:2>3@F0@3"));  // worker 0 runs stage 3
+    CHECK(contains(steps(c, 1), "send a0:2>3@F0@2"));  // from stage 2 on worker 1
+    CHECK(contains(steps(c, 1), "send a0:1>2@F0@1"));  // stages 1 and 2 on one worker
+  }
+
   TEST_CASE("a skip popped on its own stage and R and W actions communicate nothing") {
     const auto p = sched::plan(sched::zero_bubble_h1{}, 1, 2, /*checkpointed=*/2);
     CHECK(sched::comms(p, {SkipRoute{0, 0}}).programs[0].empty());
@@ -95,7 +112,7 @@ TEST_SUITE("comms") {
   }
 
   TEST_CASE("a worker that waits for a gradient before sending the activation is a deadlock") {
-    sched::Plan p{2, 1, 2, {{B(0, 0), F(0, 0)}, {F(0, 1), B(0, 1)}}};
+    sched::Plan p{2, 1, 2, {{B(0, 0), F(0, 0)}, {F(0, 1), B(0, 1)}}, {}};
     const auto e = error_of([&] { sched::verify_comms(p); });
     CHECK(e ==
           "stagewise::schedule::verify_comms: deadlock at B0@0 on worker 0: no worker can go on "
@@ -107,7 +124,7 @@ TEST_SUITE("comms") {
 
   TEST_CASE("messages received in another order than sent on one link are named") {
     sched::Plan p{
-        2, 2, 2, {{F(0, 0), F(1, 0), B(0, 0), B(1, 0)}, {F(1, 1), F(0, 1), B(0, 1), B(1, 1)}}};
+        2, 2, 2, {{F(0, 0), F(1, 0), B(0, 0), B(1, 0)}, {F(1, 1), F(0, 1), B(0, 1), B(1, 1)}}, {}};
     CHECK(sched::check_comms(p) ==
           "on the link of activations from stage 0 to stage 1, message #0 is micro-batch 0 (sent "
           "at F0@0 on worker 0) but F1@1 on worker 1 receives micro-batch 1 there; order the "
@@ -115,12 +132,12 @@ TEST_SUITE("comms") {
   }
 
   TEST_CASE("a send nobody receives and a receive nobody sends are named") {
-    sched::Plan lost{2, 1, 2, {{F(0, 0), B(0, 0)}, {}}};
+    sched::Plan lost{2, 1, 2, {{F(0, 0), B(0, 0)}, {}}, {}};
     CHECK(sched::check_comms(lost) ==
           "F0@0 on worker 0 sends the activation of micro-batch 0 from stage 0 to stage 1, which "
           "no action receives; the receiving stage's F (activations, skips) or B/I (gradients) "
           "must be in the plan");
-    sched::Plan orphan{2, 1, 2, {{}, {F(0, 1)}}};
+    sched::Plan orphan{2, 1, 2, {{}, {F(0, 1)}}, {}};
     CHECK(sched::check_comms(orphan) ==
           "F0@1 on worker 1 receives the activation of micro-batch 0 from stage 0 to stage 1, "
           "which no action sends; the sending stage's F (activations, skips) or B/I (gradients) "
@@ -141,7 +158,7 @@ TEST_SUITE("comms") {
   TEST_CASE("a deadlock through a worker waiting on its own later message is found") {
     // Interleaved placement: stages 0 and 2 on worker 0; worker 0 runs F0@2 before F0@0.
     sched::Plan p{
-        4, 1, 2, {{F(0, 2), F(0, 0), B(0, 2), B(0, 0)}, {F(0, 1), F(0, 3), B(0, 3), B(0, 1)}}};
+        4, 1, 2, {{F(0, 2), F(0, 0), B(0, 2), B(0, 0)}, {F(0, 1), F(0, 3), B(0, 3), B(0, 1)}}, {}};
     CHECK(contains(sched::check_comms(p).value_or(""), "deadlock at F0@2 on worker 0"));
   }
 }

@@ -82,8 +82,11 @@ struct CommPlan {
   int stages = 0;
   int workers = 0;
   std::vector<std::vector<CommStep>> programs;  ///< per worker, in order
+  std::vector<int> placement;                   ///< the Plan's; empty: stage k on k % workers
   /// The worker that runs `stage` (the Plan's placement).
-  int worker_of(int stage) const { return stage % workers; }
+  int worker_of(int stage) const {
+    return placement.empty() ? stage % workers : placement[static_cast<std::size_t>(stage)];
+  }
 };
 
 /// Derives every worker's ordered sends and receives from `plan`: F of stage j > 0 receives the
@@ -95,7 +98,8 @@ struct CommPlan {
 ///   c.programs[1][0];  // worker 1 first receives the activation of micro-batch 0
 inline CommPlan comms(const Plan& plan, const std::vector<SkipRoute>& routes = {}) {
   CommPlan c{plan.stages, plan.workers,
-             std::vector<std::vector<CommStep>>(static_cast<std::size_t>(plan.workers))};
+             std::vector<std::vector<CommStep>>(static_cast<std::size_t>(plan.workers)),
+             plan.placement};
   const int n = plan.stages;
   for (std::size_t w = 0; w < plan.programs.size(); ++w) {
     auto& out = c.programs[w];

@@ -22,7 +22,10 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -52,6 +55,16 @@ struct Options {
     transport_ = std::move(t);
     return *this;
   }
+  /// Places the stages on ranks as schedule `s` places them on workers, for schedules whose
+  /// placement is not stage j on rank j % K: the V-shaped `zero_bubble_v` and `dualpipe_v` (rank
+  /// w runs stages w and 2K-1-w). Overrides virtual_stages; train_step then takes a schedule
+  /// with the same placement.
+  ///   stagewise::distributed::Options().placed_like(stagewise::schedule::zero_bubble_v{})
+  template <schedule::pipeline_schedule S>
+  Options& placed_like(const S& s) {
+    placement_ = [s](int stages) { return schedule::placement_of(s, stages); };
+    return *this;
+  }
   /// The backend `connect` builds when the pipe rendezvouses itself (Gloo by default).
   Options& backend(runtime::Backend b) {
     connect_.backend = b;
@@ -59,13 +72,15 @@ struct Options {
   }
 
   int virtual_stages_ = 1;
+  std::function<std::vector<int>(int)> placement_;  // null: stage j on rank j % (stages / v)
   runtime::C10dOptions transport_;
   runtime::ConnectOptions connect_;
 };
 
 /// A pipeline whose stages live in separate processes (ranks), on one machine or several: every
 /// rank builds the same torch::nn::Sequential and balance and calls the same `train_step`; each
-/// keeps only its own stages (stage j on rank j % K for K ranks) and runs them with the same
+/// keeps only its own stages (stage j on rank j % K for K ranks, or as `Options::placed_like`
+/// says) and runs them with the same
 /// execution core as the one-process `Pipe`, exchanging activations, gradients and skip tensors
 /// over c10d. Rank placement, world size and the model's shapes are checked before any step, and
 /// each step's communication is verified deadlock-free (`schedule::verify_comms`).
@@ -91,11 +106,16 @@ class Pipe {
         prefix_(dist_.transport_.prefix_) {
     auto specs = ::stagewise::detail::partition(seq, b);
     const int n = static_cast<int>(specs.size());
-    const int v = dist_.virtual_stages_;
-    TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
-                " stages do not split into ", v, " virtual stages per rank; give a balance with a ",
-                "multiple of ", v, " entries or change Options::virtual_stages");
-    workers_ = n / v;
+    if (dist_.placement_) {
+      placement_ = dist_.placement_(n);
+    } else {
+      const int v = dist_.virtual_stages_;
+      TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
+                  " stages do not split into ", v, " virtual stages per rank; give a balance ",
+                  "with a multiple of ", v, " entries or change Options::virtual_stages");
+      for (int j = 0; j < n; ++j) placement_.push_back(j % (n / v));
+    }
+    workers_ = *std::max_element(placement_.begin(), placement_.end()) + 1;
     runtime::check_world_size(connection_, n, workers_);
     {
       std::vector<std::shared_ptr<torch::nn::Module>> modules;
@@ -110,7 +130,7 @@ class Pipe {
     runtime::check_same_model(connection_, signatures, prefix_ + "/model", dist_.connect_.timeout);
     const auto& devices = options_.devices();
     for (int j = 0; j < n; ++j) {
-      if (j % workers_ != rank()) {
+      if (rank_of(j) != rank()) {
         stages_.push_back(nullptr);  // another rank's: its parameters are dropped here
         continue;
       }
@@ -125,10 +145,10 @@ class Pipe {
       routes.push_back({static_cast<int>(r.stash_stage), static_cast<int>(r.pop_stage)});
     }
     routes_ = routes;
-    const int workers = workers_;
     transport_ = std::make_unique<runtime::C10dTransport>(
-        connection_, [workers](int stage) { return stage % workers; }, std::move(routes),
-        dist_.transport_);
+        connection_,
+        [placement = placement_](int stage) { return placement[static_cast<std::size_t>(stage)]; },
+        std::move(routes), dist_.transport_);
   }
 
   /// One training step on every rank, as `Pipe::train_step` does in one process: the rank of
@@ -172,6 +192,8 @@ class Pipe {
   int world_size() const { return connection_.env.world_size; }
   /// Number of stages of the whole pipe.
   int num_stages() const { return static_cast<int>(stages_.size()); }
+  /// The rank that runs stage `j`.
+  int rank_of(int j) const { return placement_.at(static_cast<std::size_t>(j)); }
   /// Whether stage `j` runs on this rank.
   bool has_stage(int j) const {
     return j >= 0 && j < num_stages() && stages_[static_cast<std::size_t>(j)] != nullptr;
@@ -206,6 +228,16 @@ class Pipe {
                 " workers but the pipe was built for ", workers_,
                 " ranks (Options::virtual_stages ", dist_.virtual_stages_,
                 "); build the pipe with the schedule's stages per rank");
+    const auto placement = schedule::placement_of(sched, n);
+    for (int j = 0; j < n; ++j) {
+      TORCH_CHECK(placement[static_cast<std::size_t>(j)] == rank_of(j),
+                  "stagewise::distributed::Pipe::train_step: the schedule runs stage ", j,
+                  " on worker ", placement[static_cast<std::size_t>(j)],
+                  " but the pipe keeps it on rank ", rank_of(j),
+                  "; build the pipe with Options().placed_like(schedule) for a V-shaped schedule, "
+                  "or pass a schedule that places stage j on rank j % ",
+                  workers_);
+    }
     const bool first = has_stage(0), last = has_stage(n - 1);
     runtime::TrainStep step;
     if (first) step.inputs = scatter(input, options_.chunks());
@@ -221,12 +253,12 @@ class Pipe {
       m = static_cast<int>(step.inputs.size());
       detail::publish_int(connection_, key + "/m", m);
     } else {
-      m = detail::wait_int(connection_, key + "/m", dist_.transport_, rank(), 0);
+      m = detail::wait_int(connection_, key + "/m", dist_.transport_, rank(), rank_of(0));
     }
     TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m,
-                "stagewise::distributed::Pipe::train_step: the input on rank 0 splits into ", m,
-                " micro-batches but the target on rank ", rank(), " into ", step.targets.size(),
-                "; give them the same number of rows");
+                "stagewise::distributed::Pipe::train_step: the input on rank ", rank_of(0),
+                " splits into ", m, " micro-batches but the target on rank ", rank(), " into ",
+                step.targets.size(), "; give them the same number of rows");
     if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
     if (last) {
       const double rows = static_cast<double>(target[0].size(0));
@@ -243,24 +275,22 @@ class Pipe {
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
     schedule::verify_comms(plan, routes_);
     if (!skips_->empty()) {
-      for (const auto& program : plan.programs) {
-        for (const auto& a : program) {
-          TORCH_CHECK(a.kind != schedule::ActionKind::input_grad,
-                      "stagewise::distributed::Pipe::train_step: skip connections do not work "
-                      "with a split backward (zero_bubble_h1) yet; use gpipe, one_f_one_b or "
-                      "interleaved_one_f_one_b with this pipe");
-        }
-      }
       step.skips = std::make_shared<::stagewise::detail::TrainSkips>(skips_, stages_.size(),
                                                                      static_cast<std::size_t>(m));
     }
     if (before) before(m);
     transport_->begin_step(n, m, static_cast<int>(routes_.size()));
+    // This rank's one worker thread runs all of its stages, in plan order.
     std::vector<runtime::Worker*> workers(static_cast<std::size_t>(workers_), nullptr);
-    workers[static_cast<std::size_t>(rank())] = &stages_[static_cast<std::size_t>(rank())]->worker;
+    for (int j = 0; j < n; ++j) {
+      if (has_stage(j)) {
+        workers[static_cast<std::size_t>(rank())] = &stages_[static_cast<std::size_t>(j)]->worker;
+        break;
+      }
+    }
     torch::Tensor loss = runtime::run_programs(stages_, plan, step, *transport_, workers);
     // The last stage's rank has the loss; every rank returns it.
-    const int last_rank = (n - 1) % workers_;
+    const int last_rank = rank_of(n - 1);
     if (last) {
       detail::publish_tensor(connection_, key + "/loss", loss);
     } else {
@@ -276,6 +306,7 @@ class Pipe {
   Options dist_;
   std::string prefix_;
   int workers_ = 1;
+  std::vector<int> placement_;  // the rank of every stage
   bool training_ = true;
   std::int64_t steps_ = 0;
   std::shared_ptr<const ::stagewise::detail::SkipLayout> skips_;
