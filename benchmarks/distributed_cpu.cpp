@@ -3,15 +3,19 @@
 // pipe, and against torch.distributed.pipelining's GPipe (benchmarks/anchors/torch_pipelining.py,
 // nan where PyTorch < 2.4). Model: 2 stages of Linear(512,512), ReLU, Linear(512,512), ReLU;
 // batch 128, chunks 8; one step is forward and backward of the batch. Variants alternate in
-// rounds; each prints min / median / max of its per-round medians.
-//   ./bazelw run -c opt //benchmarks:distributed_cpu
+// rounds; each prints min / median / max of its per-round medians, and each ratio is taken within
+// a round (the last line gives the medians of the ratios).
+//   ./bazelw run -c opt //benchmarks:distributed_cpu [-- --blas=openblas]
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
 
 #include <torch/torch.h>
-#include <torch/version.h>
-#include <ATen/Version.h>
 
+#include "benchmarks/common/blas.hpp"
+#include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/key_values.hpp"
+#include "benchmarks/common/rounds.hpp"
+#include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
 #include <arpa/inet.h>
@@ -24,10 +28,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace sw = stagewise;
@@ -42,17 +44,13 @@ torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
   return torch::mse_loss(o, t);
 }
 
+// Two stages of Linear(512,512), ReLU, Linear(512,512), ReLU (balance {4, 4}).
 torch::nn::Sequential model() {
   torch::manual_seed(0);
-  auto stage = [] {
-    return torch::nn::Sequential(torch::nn::Linear(512, 512), torch::nn::ReLU(),
-                                 torch::nn::Linear(512, 512), torch::nn::ReLU());
-  };
-  torch::nn::Sequential s;
-  for (int k = 0; k < 2; ++k) {
-    for (const auto& layer : stage()->children()) s->push_back(layer);
-  }
-  return s;
+  return torch::nn::Sequential(torch::nn::Linear(512, 512), torch::nn::ReLU(),
+                               torch::nn::Linear(512, 512), torch::nn::ReLU(),
+                               torch::nn::Linear(512, 512), torch::nn::ReLU(),
+                               torch::nn::Linear(512, 512), torch::nn::ReLU());
 }
 
 std::pair<torch::Tensor, torch::Tensor> batch() {
@@ -111,99 +109,84 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-std::map<std::string, double> run_anchor() {
-  std::map<std::string, double> out;
-  FILE* p = popen("/usr/bin/python3 benchmarks/anchors/torch_pipelining.py 2>/dev/null", "r");
-  if (!p) return out;
-  char line[512];
-  while (std::fgets(line, sizeof line, p)) {
-    std::string s(line);
-    auto eq = s.find('=');
-    if (eq == std::string::npos) continue;
-    try {
-      out[s.substr(0, eq)] = std::stod(s.substr(eq + 1));
-    } catch (...) {
-    }
-  }
-  pclose(p);
-  return out;
-}
-
-struct Spread {
-  double min = NAN, median = NAN, max = NAN;
-};
-Spread spread(std::vector<double> v) {
-  if (v.empty()) return {};
-  std::sort(v.begin(), v.end());
-  return {v.front(), v[v.size() / 2], v.back()};
-}
-
-std::string blas() {
-  const std::string config = at::show_config();
-  const auto at = config.find("BLAS_INFO=");
-  if (at == std::string::npos) return "unknown";
-  return config.substr(at + 10, config.find_first_of(", \n", at + 10) - at - 10);
-}
-
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  namespace bench = sw::bench;
+  bench::select_blas(argc, argv);  // may re-execute this program: before the ranks are forked
   // Fork the ranks first, while this process has one thread.
   const int port = free_port();
   int commands[2][2], answers[2];
   std::vector<pid_t> ranks;
-  TORCH_CHECK(::pipe(answers) == 0, "pipe failed");
+  TORCH_CHECK(::pipe(answers) == 0, "distributed_cpu: pipe() failed");
   for (int r = 0; r < 2; ++r) {
-    TORCH_CHECK(::pipe(commands[r]) == 0, "pipe failed");
+    TORCH_CHECK(::pipe(commands[r]) == 0, "distributed_cpu: pipe() failed");
     const pid_t pid = ::fork();
     if (pid == 0) rank_main(r, port, commands[r][0], answers[1]);
     ranks.push_back(pid);
   }
   auto ask = [&](char c) {
     for (int r = 0; r < 2; ++r) {
-      TORCH_CHECK(::write(commands[r][1], &c, 1) == 1, "a rank is gone");
+      TORCH_CHECK(::write(commands[r][1], &c, 1) == 1, "distributed_cpu: a rank is gone");
     }
     double us = NAN;
-    TORCH_CHECK(::read(answers[0], &us, sizeof us) == sizeof us, "rank 0 did not answer");
+    TORCH_CHECK(::read(answers[0], &us, sizeof us) == sizeof us,
+                "distributed_cpu: rank 0 did not answer (see its error above)");
     return us;
   };
 
   at::set_num_threads(1);
-  double load[3] = {0, 0, 0};
-  std::ifstream("/proc/loadavg") >> load[0] >> load[1] >> load[2];
+  bench::Conditions conditions("distributed_cpu");
   std::printf(
       "# distributed_cpu: 2 stages of Linear(512,512), ReLU, Linear(512,512), ReLU; batch "
-      "128, chunks 8; forward+backward per step\n");
-  std::printf(
-      "# cores %u, load average %.2f %.2f %.2f, LibTorch %s, BLAS %s, %d rounds of %d "
-      "steps\n",
-      std::thread::hardware_concurrency(), load[0], load[1], load[2], TORCH_VERSION, blas().c_str(),
+      "128, chunks 8; forward+backward per step; %d rounds, median of %d steps each\n",
       kRounds, kSteps);
 
   auto seq = model();
   auto in_process = sw::Pipe(model(), sw::balance{4, 4},
                              sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::never));
   auto [x, t] = batch();
-  std::map<std::string, std::vector<double>> times;
+  const char* names[] = {"sequential (micro-batched, 1 thread)", "in-process pipe, gpipe",
+                         "distributed, gpipe", "distributed, 1F1B"};
+  auto run = [&](int variant) {
+    switch (variant) {
+      case 0:
+        return median_us(
+            [&] {
+              seq->zero_grad();
+              auto xs = x.chunk(8), ts = t.chunk(8);
+              for (std::size_t i = 0; i < xs.size(); ++i) {
+                (mse(seq->forward(xs[i]), ts[i]) * (double(xs[i].size(0)) / double(x.size(0))))
+                    .backward();
+              }
+            },
+            kSteps, 2);
+      case 1:
+        return median_us(
+            [&] {
+              in_process->zero_grad();
+              in_process->train_step(x, t, mse, sw::schedule::gpipe{});
+            },
+            kSteps, 2);
+      case 2:
+        return ask('g');
+      default:
+        return ask('o');
+    }
+  };
+  // Rounds alternate the variants' order; each ratio is taken within a round.
+  std::vector<std::vector<double>> times(4);
+  std::vector<double> vs_sequential, ofob_vs_sequential, vs_in_process;
   for (int round = 0; round < kRounds; ++round) {
-    times["sequential (micro-batched, 1 thread)"].push_back(median_us(
-        [&] {
-          seq->zero_grad();
-          auto xs = x.chunk(8), ts = t.chunk(8);
-          for (std::size_t i = 0; i < xs.size(); ++i) {
-            (mse(seq->forward(xs[i]), ts[i]) * (double(xs[i].size(0)) / double(x.size(0))))
-                .backward();
-          }
-        },
-        kSteps, 2));
-    times["in-process pipe, gpipe"].push_back(median_us(
-        [&] {
-          in_process->zero_grad();
-          in_process->train_step(x, t, mse, sw::schedule::gpipe{});
-        },
-        kSteps, 2));
-    times["distributed, gpipe"].push_back(ask('g'));
-    times["distributed, 1F1B"].push_back(ask('o'));
+    double us[4];
+    for (int k = 0; k < 4; ++k) {
+      const int v = (round + k) % 4;
+      us[v] = run(v);
+      times[static_cast<std::size_t>(v)].push_back(us[v]);
+    }
+    vs_sequential.push_back(us[0] / us[2]);
+    ofob_vs_sequential.push_back(us[0] / us[3]);
+    vs_in_process.push_back(us[1] / us[2]);
   }
   for (int r = 0; r < 2; ++r) {
     const char q = 'q';
@@ -215,26 +198,28 @@ int main() {
     ::waitpid(pid, &status, 0);
     failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   }
-  const auto anchor = run_anchor();
-  const double torch_us =
-      anchor.count("torch_pipelining_us") ? anchor.at("torch_pipelining_us") : NAN;
+  const auto anchor =
+      bench::run_key_values("/usr/bin/python3 benchmarks/anchors/torch_pipelining.py 2>/dev/null");
+  const bench::Summary torch_us{bench::value_or_nan(anchor, "torch_pipelining_min_us"),
+                                bench::value_or_nan(anchor, "torch_pipelining_us"),
+                                bench::value_or_nan(anchor, "torch_pipelining_max_us")};
 
-  std::printf("  %-40s %10s %10s %10s\n", "variant (us per step)", "min", "median", "max");
-  for (const auto& [name, v] : times) {
-    const auto s = spread(v);
-    std::printf("  %-40s %10.0f %10.0f %10.0f\n", name.c_str(), s.min, s.median, s.max);
+  std::printf("  %-52s %10s  [min, max]\n", "variant", "median");
+  for (int v = 0; v < 4; ++v) {
+    bench::print_figure(names[v], bench::summarize(times[static_cast<std::size_t>(v)]), "us");
   }
-  std::printf("  %-40s %10.0f %10.0f %10.0f\n", "torch.distributed.pipelining GPipe",
-              anchor.count("torch_pipelining_min_us") ? anchor.at("torch_pipelining_min_us") : NAN,
-              torch_us,
-              anchor.count("torch_pipelining_max_us") ? anchor.at("torch_pipelining_max_us") : NAN);
-  const double sequential = spread(times["sequential (micro-batched, 1 thread)"]).median;
-  const double gpipe = spread(times["distributed, gpipe"]).median;
-  const double ofob = spread(times["distributed, 1F1B"]).median;
-  const double inproc = spread(times["in-process pipe, gpipe"]).median;
+  bench::print_figure("torch.distributed.pipelining GPipe (2 processes)", torch_us, "us");
+  const auto speedup = bench::summarize(vs_sequential);
+  const auto ofob = bench::summarize(ofob_vs_sequential);
+  const auto ratio = bench::summarize(vs_in_process);
+  bench::print_figure("distributed gpipe: speed-up vs sequential", speedup, "x");
+  bench::print_figure("distributed 1F1B: speed-up vs sequential", ofob, "x");
+  bench::print_figure("in-process time / distributed time (gpipe)", ratio, "x");
+  const double gpipe_us = bench::summarize(times[2]).median;
+  conditions.print_end();
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
       "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f\n",
-      sequential / gpipe, sequential / ofob, inproc / gpipe, torch_us / gpipe);
+      speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us);
   return failed ? 1 : 0;
 }

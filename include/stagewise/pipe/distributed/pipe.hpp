@@ -71,9 +71,13 @@ struct Options {
     return *this;
   }
 
+  /// The values the setters above set (read by `Pipe`).
   int virtual_stages_ = 1;
-  std::function<std::vector<int>(int)> placement_;  // null: stage j on rank j % (stages / v)
+  /// Every stage's rank for a number of stages; null: stage j on rank j % (stages / v).
+  std::function<std::vector<int>(int)> placement_;
+  /// The transport's options (`transport`, `timeout`).
   runtime::C10dOptions transport_;
+  /// The rendezvous options (`backend`, `timeout`).
   runtime::ConnectOptions connect_;
 };
 
