@@ -51,6 +51,8 @@ def sw_example(name, deps = [], **kwargs):
         srcs = [name + ".cpp"],
         # The sanitizer settings (no effect on a plain build), for --config=tsan / asan runs.
         deps = ["//:stagewise", "//tests/sanitizers:defaults"] + deps,
+        # Optimised even in the default (fastbuild) build: examples print speed-ups.
+        copts = ["-O2"],
         **kwargs
     )
     native.sh_test(
