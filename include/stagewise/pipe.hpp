@@ -100,7 +100,10 @@ class PipeImpl : public torch::nn::Module {
   /// returns the loss of the whole mini-batch and leaves the parameters' gradients accumulated, as
   /// `loss_fn(model(input), target).backward()` would. `loss_fn(output, target)` must average
   /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
-  /// micro-batch's loss is weighted by its share of the rows. The schedule is verified before
+  /// micro-batch's loss is weighted by its share of the rows. Every tensor of `input` and `target`
+  /// must have the same, positive number of rows, and `loss_fn` must return a scalar: anything
+  /// else is an error naming the fix. An exception from a stage keeps its type and text and
+  /// records its stage, micro-batch and phase (`error_context`). The schedule is verified before
   /// anything runs. An interleaved schedule runs the pipe's v x K stages on the first K stages'
   /// workers (stage k on worker k % K). If `timeline` is given, it receives every action's start
   /// and end in microseconds (see `schedule::to_chrome_trace`).
@@ -153,12 +156,10 @@ class PipeImpl : public torch::nn::Module {
     TORCH_CHECK(torch::GradMode::is_enabled(),
                 "stagewise::Pipe::train_step: grad mode is off (a NoGradGuard is active); "
                 "train_step computes gradients, so call it with grad enabled, or use forward");
+    check_rows(input, target);
     runtime::TrainStep step;
     step.inputs = scatter(input, options_.chunks());
     step.targets = scatter(target, options_.chunks());
-    TORCH_CHECK(step.inputs.size() == step.targets.size(),
-                "stagewise::Pipe::train_step: input and target split into ", step.inputs.size(),
-                " and ", step.targets.size(), " micro-batches; give them the same number of rows");
     const double rows = static_cast<double>(input[0].size(0));
     for (const auto& b : step.inputs)
       step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
@@ -234,6 +235,40 @@ class PipeImpl : public torch::nn::Module {
                 ": each stage lives on the device it was given. Build a new Pipe with "
                 "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
                 "allowed).");
+  }
+
+  // train_step's batches: every tensor of the input and of the target has a batch dimension
+  // with the same, positive number of rows (the loss of a row needs its target row).
+  static void check_rows(const Batch& input, const Batch& target) {
+    auto name = [](const Batch& b, const char* what, std::size_t k) {
+      return b.atomic() ? std::string("the ") + what
+                        : std::string(what) + " tensor " + std::to_string(k);
+    };
+    auto check_tensor = [&](const Batch& b, const char* what, std::size_t k) {
+      TORCH_CHECK(b[k].defined(), "stagewise::Pipe::train_step: ", name(b, what, k),
+                  " is undefined; give a tensor whose first dimension is the batch");
+      TORCH_CHECK(b[k].dim() > 0, "stagewise::Pipe::train_step: ", name(b, what, k),
+                  " is a scalar; give a tensor whose first dimension is the batch (unsqueeze(0) "
+                  "it)");
+    };
+    check_tensor(input, "input", 0);
+    const int64_t rows = input[0].size(0);
+    TORCH_CHECK(rows > 0, "stagewise::Pipe::train_step: the batch is empty (",
+                name(input, "input", 0),
+                " has 0 rows); a step needs at least one row, so skip empty batches");
+    for (std::size_t k = 1; k < input.size(); ++k) {
+      check_tensor(input, "input", k);
+      TORCH_CHECK(input[k].size(0) == rows, "stagewise::Pipe::train_step: input tensor ", k,
+                  " has ", input[k].size(0), " rows but input tensor 0 has ", rows,
+                  "; every tensor of the input must have one row per example");
+    }
+    for (std::size_t k = 0; k < target.size(); ++k) {
+      check_tensor(target, "target", k);
+      TORCH_CHECK(target[k].size(0) == rows,
+                  "stagewise::Pipe::train_step: ", name(target, "target", k), " has ",
+                  target[k].size(0), " rows but the input has ", rows,
+                  "; give one target row per input row");
+    }
   }
 
   const runtime::StageRuntime& stage_at(std::size_t k) const {

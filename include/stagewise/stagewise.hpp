@@ -3,11 +3,13 @@
 // stagewise: memory-efficient pipeline-parallel training for LibTorch. Umbrella header.
 
 #include "stagewise/autograd/parallel_branches.hpp"
+#include "stagewise/core/autocast_state.hpp"
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/checkpoint_state.hpp"
 #include "stagewise/core/dependency.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/core/phony.hpp"
 #include "stagewise/core/rng.hpp"
 #include "stagewise/coro/generator.hpp"

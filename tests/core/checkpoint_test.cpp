@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include "tests/support/autocast.hpp"
+
 #include <doctest/doctest.h>
 
 #include <string>
@@ -64,14 +66,18 @@ TEST_SUITE("checkpoint") {
 
   TEST_CASE("gradients equal those computed without checkpointing") {
     torch::manual_seed(1);
-    torch::nn::Sequential block(torch::nn::Linear(5, 7), torch::nn::Tanh(), torch::nn::Linear(7, 3));
+    torch::nn::Sequential block(torch::nn::Linear(5, 7), torch::nn::Tanh(),
+                                torch::nn::Linear(7, 3));
     auto x = torch::randn({6, 5}, torch::requires_grad());
     block->forward(x).pow(2).sum().backward();
     auto gx = x.grad().clone();
     auto gw = block[0]->parameters()[0].grad().clone();
     x.mutable_grad().reset();
     block->zero_grad();
-    sw::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, x).pow(2).sum().backward();
+    sw::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, x)
+        .pow(2)
+        .sum()
+        .backward();
     CHECK(x.grad().equal(gx));
     CHECK(block[0]->parameters()[0].grad().equal(gw));
   }
@@ -124,7 +130,9 @@ TEST_SUITE("checkpoint") {
     auto a = torch::rand({2}, torch::requires_grad());
     auto b = torch::rand({2}, torch::requires_grad());
     auto out = sw::checkpoint(
-        [](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{v[0] * v[1], v[0]}; },
+        [](const std::vector<torch::Tensor>& v) {
+          return std::vector<torch::Tensor>{v[0] * v[1], v[0]};
+        },
         std::vector<torch::Tensor>{a, b});
     REQUIRE(out.size() == 2);
     (out[0].sum() + out[1].sum()).backward();
@@ -165,5 +173,53 @@ TEST_SUITE("checkpoint") {
     }
     CHECK(node.expired());
     CHECK(x.use_count() == 1);
+  }
+
+  TEST_CASE(
+      "under CPU bf16 autocast the gradients equal those without checkpointing, with backward "
+      "inside or after the autocast region") {
+    for (bool inside : {true, false}) {
+      CAPTURE(inside);
+      torch::manual_seed(5);
+      torch::nn::Linear a(8, 8);  // applied twice: one cast of its weight, with or without
+      torch::nn::Linear b(8, 4);  // checkpointing
+      auto ra = std::dynamic_pointer_cast<torch::nn::LinearImpl>(a->clone());
+      auto rb = std::dynamic_pointer_cast<torch::nn::LinearImpl>(b->clone());
+      auto x = torch::randn({4, 8}, torch::requires_grad());
+      auto rx = x.detach().clone().requires_grad_();
+      auto f = [&](const torch::Tensor& v) {
+        return b->forward(torch::relu(a->forward(a->forward(v))));
+      };
+      torch::Tensor y, z, ry, rz;
+      {
+        sw::testing::CpuAutocastRegion region;
+        y = sw::checkpoint(f, x);
+        // A forward with grad after the checkpoint's no-grad run, in the same region: it must not
+        // reuse casts of b's parameters that lack autograd history.
+        z = b->forward(x);
+        ry = rb->forward(torch::relu(ra->forward(ra->forward(rx))));
+        rz = rb->forward(rx);
+        if (inside) {
+          z.to(torch::kFloat).sum().backward();
+          y.to(torch::kFloat).sum().backward();
+        }
+      }
+      if (!inside) {
+        z.to(torch::kFloat).sum().backward();
+        y.to(torch::kFloat).sum().backward();
+      }
+      rz.to(torch::kFloat).sum().backward();
+      ry.to(torch::kFloat).sum().backward();
+      CHECK(y.dtype() == torch::kBFloat16);
+      CHECK(y.equal(ry));
+      for (auto [p, q] :
+           {std::pair{a->weight, ra->weight}, std::pair{a->bias, ra->bias},
+            std::pair{b->weight, rb->weight}, std::pair{b->bias, rb->bias}, std::pair{x, rx}}) {
+        REQUIRE(p.grad().defined());
+        CHECK(p.grad().dtype() == torch::kFloat);
+        CHECK(p.grad().equal(q.grad()));
+      }
+      CHECK_FALSE(sw::testing::cpu_autocast_enabled());
+    }
   }
 }

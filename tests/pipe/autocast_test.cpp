@@ -128,4 +128,50 @@ TEST_SUITE("autocast") {
       ref_opt.step();
     }
   }
+
+  TEST_CASE(
+      "checkpointed forward() under CPU bf16 autocast equals the unpipelined model back-propagated "
+      "micro-batch by micro-batch, with backward inside or outside the autocast region") {
+    for (auto mode : {sw::Checkpoint::except_last, sw::Checkpoint::always}) {
+      for (bool backward_inside : {true, false}) {
+        const std::string mode_name = sw::to_string(mode);
+        CAPTURE(mode_name);
+        CAPTURE(backward_inside);
+        torch::manual_seed(4);
+        auto seq = mlp();
+        auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
+        auto pipe = sw::Pipe(seq, sw::balance{2, 3}, sw::PipeOptions().chunks(3).checkpoint(mode));
+        torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(0.5));
+        torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.5));
+        const auto x = torch::randn({6, 6});
+        const auto t = torch::randn({6, 3});
+        for (int step = 0; step < 3; ++step) {
+          CAPTURE(step);
+          opt.zero_grad();
+          ref_opt.zero_grad();
+          // The pipe's checkpointed micro-batches back-propagate one by one (each recompute's
+          // own backward), so the reference does too: the gradient of the whole-batch loss at
+          // each micro-batch's output, then one backward per micro-batch, M-1 .. 0.
+          torch::Tensor out;
+          std::vector<torch::Tensor> ref_outs;
+          {
+            CpuAutocast autocast;
+            out = pipe->forward(x);
+            for (const auto& xi : x.chunk(3)) ref_outs.push_back(ref->forward(xi));
+            if (backward_inside) mse(out, t).backward();
+          }
+          if (!backward_inside) mse(out, t).backward();
+          std::vector<torch::Tensor> cut;
+          for (const auto& y : ref_outs) cut.push_back(y.detach().requires_grad_());
+          mse(torch::cat(cut), t).backward();
+          for (int i = 2; i >= 0; --i) ref_outs[i].backward(cut[i].grad());
+          CHECK(out.dtype() == torch::kBFloat16);
+          CHECK(out.equal(torch::cat(ref_outs)));
+          check_same(*pipe, *ref, "forward " + std::to_string(step));
+          opt.step();
+          ref_opt.step();
+        }
+      }
+    }
+  }
 }

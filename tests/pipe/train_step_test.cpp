@@ -32,8 +32,8 @@ torch::nn::Sequential mlp() {
 
 // Unpipelined training on the same micro-batches: all forwards, then the backwards in reverse
 // order (the order each stage of the pipe runs them), so the arithmetic is the same.
-torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x, const torch::Tensor& t,
-                             int64_t chunks) {
+torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
+                             const torch::Tensor& t, int64_t chunks) {
   auto xs = x.chunk(chunks);
   auto ts = t.chunk(chunks);
   std::vector<torch::Tensor> losses;
@@ -95,7 +95,8 @@ TEST_SUITE("train_step") {
       whole.backward();
       CHECK(loss.item<float>() == doctest::Approx(whole.item<float>()).epsilon(1e-6));
       auto full = grads_of(*seq);
-      for (std::size_t k = 0; k < got.size(); ++k) CHECK(torch::allclose(got[k], full[k], 1e-5, 1e-6));
+      for (std::size_t k = 0; k < got.size(); ++k)
+        CHECK(torch::allclose(got[k], full[k], 1e-5, 1e-6));
     }
   }
 
@@ -151,10 +152,13 @@ TEST_SUITE("train_step") {
       return x * 2;
     };
     auto second = [&](const torch::Tensor& x) { return SlowBackward::apply(x, &slow); };
-    auto pipe = sw::Pipe(sw::stages(first, second), sw::PipeOptions().chunks(4).checkpoint("always"));
+    auto pipe =
+        sw::Pipe(sw::stages(first, second), sw::PipeOptions().chunks(4).checkpoint("always"));
     pipe->train_step(torch::rand({4, 2}, torch::requires_grad()), torch::rand({4, 2}), mse);
     REQUIRE(events.size() == 8);
-    auto at = [&](const std::string& e) { return std::find(events.begin(), events.end(), e) - events.begin(); };
+    auto at = [&](const std::string& e) {
+      return std::find(events.begin(), events.end(), e) - events.begin();
+    };
     for (int i = 0; i < 4; ++i) {
       CAPTURE(i);
       CHECK(at("R0:" + std::to_string(i)) < at("B1:" + std::to_string(i)));
@@ -166,18 +170,20 @@ TEST_SUITE("train_step") {
       if (x.size(0) == 1) throw ExpectedError("forward failed");
       return x;
     };
-    auto pipe = sw::Pipe(sw::stages(torch::nn::Linear(2, 2), fails_forward, torch::nn::Linear(2, 2)),
-                         sw::PipeOptions().chunks(3));
-    CHECK_THROWS_WITH_AS(pipe->train_step(torch::rand({5, 2}), torch::rand({5, 2}), mse), "forward failed",
-                         ExpectedError);
+    auto pipe =
+        sw::Pipe(sw::stages(torch::nn::Linear(2, 2), fails_forward, torch::nn::Linear(2, 2)),
+                 sw::PipeOptions().chunks(3));
+    CHECK_THROWS_WITH_AS(pipe->train_step(torch::rand({5, 2}), torch::rand({5, 2}), mse),
+                         "forward failed", ExpectedError);
 
     std::function<void()> boom = [] { throw ExpectedError("backward failed"); };
-    auto pipe2 = sw::Pipe(sw::stages(torch::nn::Linear(2, 2),
-                                     [&](const torch::Tensor& x) { return SlowBackward::apply(x, &boom); },
-                                     torch::nn::Linear(2, 2)),
+    auto pipe2 = sw::Pipe(sw::stages(
+                              torch::nn::Linear(2, 2),
+                              [&](const torch::Tensor& x) { return SlowBackward::apply(x, &boom); },
+                              torch::nn::Linear(2, 2)),
                           sw::PipeOptions().chunks(3));
-    CHECK_THROWS_WITH_AS(pipe2->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse), "backward failed",
-                         ExpectedError);
+    CHECK_THROWS_WITH_AS(pipe2->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse),
+                         "backward failed", ExpectedError);
     // The pipe is still usable afterwards.
     CHECK(pipe->train_step(torch::rand({6, 2}), torch::rand({6, 2}), mse).defined());
   }
@@ -186,13 +192,87 @@ TEST_SUITE("train_step") {
     auto pipe = sw::Pipe(sw::stages(torch::nn::Linear(2, 2)), sw::PipeOptions().chunks(2));
     {
       torch::NoGradGuard no_grad;
-      CHECK(contains(error_of([&] { pipe->train_step(torch::rand({2, 2}), torch::rand({2, 2}), mse); }),
+      CHECK(contains(error_of([&] {
+                       pipe->train_step(torch::rand({2, 2}), torch::rand({2, 2}), mse);
+                     }),
                      "grad mode is off"));
     }
-    CHECK(contains(error_of([&] { pipe->train_step(torch::rand({4, 2}), torch::rand({1, 2}), mse); }),
-                   "input and target split into 2 and 1 micro-batches"));
+    CHECK(contains(error_of([&] {
+                     pipe->train_step(torch::rand({4, 2}), torch::rand({1, 2}), mse);
+                   }),
+                   "the target has 1 rows but the input has 4; give one target row per input row"));
     auto empty = sw::Pipe(torch::nn::Sequential(), sw::balance{});
-    CHECK(contains(error_of([&] { empty->train_step(torch::rand({2, 2}), torch::rand({2, 2}), mse); }),
+    CHECK(contains(error_of([&] {
+                     empty->train_step(torch::rand({2, 2}), torch::rand({2, 2}), mse);
+                   }),
                    "the pipe has no stages"));
+  }
+
+  TEST_CASE("train_step refuses unequal rows, a loss that is not a scalar and an empty batch") {
+    auto pipe = sw::Pipe(sw::stages(torch::nn::Linear(8, 4)), sw::PipeOptions().chunks(2));
+    // Only the number of micro-batches agrees here (2 and 2): the loss would broadcast.
+    CHECK(error_of([&] {
+            pipe->train_step(torch::randn({4, 8}), torch::randn({3, 4}), mse);
+          }) ==
+          "stagewise::Pipe::train_step: the target has 3 rows but the input has 4; give one target "
+          "row per input row");
+    auto per_element = [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out, t, torch::Reduction::None);
+    };
+    const auto e = error_of([&] {
+      pipe->train_step(torch::randn({4, 8}), torch::randn({4, 4}), per_element);
+    });
+    CHECK(contains(
+        e,
+        "stagewise::train_step: loss_fn returned a tensor of shape [2, 4], not a scalar; reduce "
+        "it to the mean over the micro-batch (e.g. torch::mse_loss(out, target) with its "
+        "default Reduction::Mean, or loss.mean())"));
+    CHECK(contains(e, "(stagewise: stage 0, micro-batch 0, forward)"));
+    CHECK(error_of([&] {
+            pipe->train_step(torch::randn({0, 8}), torch::randn({0, 4}), mse);
+          }) ==
+          "stagewise::Pipe::train_step: the batch is empty (the input has 0 rows); a step needs at "
+          "least one row, so skip empty batches");
+    CHECK(contains(error_of([&] {
+                     pipe->train_step(torch::randn({4, 8}), torch::randn({}), mse);
+                   }),
+                   "the target is a scalar; give a tensor whose first dimension is the batch"));
+    // Nothing ran: the pipe still trains.
+    CHECK(pipe->train_step(torch::randn({4, 8}), torch::randn({4, 4}), mse).dim() == 0);
+  }
+
+  TEST_CASE("train_step checks every tensor of tuple inputs and targets") {
+    struct SumImpl : torch::nn::Module {
+      torch::Tensor forward(torch::Tensor a, torch::Tensor b) { return a * 2 + b * 3; }
+    };
+    torch::nn::Sequential seq;
+    seq->push_back(std::make_shared<SumImpl>());
+    seq->push_back(torch::nn::Linear(2, 2));
+    auto pipe = sw::Pipe(seq, sw::balance{1, 1}, sw::PipeOptions().chunks(2));
+    auto pair_mse = [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out, t);
+    };
+    CHECK(error_of([&] {
+            pipe->train_step(sw::Batch({torch::rand({4, 2}), torch::rand({3, 2})}),
+                             sw::Batch(torch::rand({4, 2})), pair_mse);
+          }) ==
+          "stagewise::Pipe::train_step: input tensor 1 has 3 rows but input tensor 0 has 4; every "
+          "tensor of the input must have one row per example");
+    CHECK(error_of([&] {
+            pipe->train_step(sw::Batch({torch::rand({4, 2}), torch::rand({4, 2})}),
+                             sw::Batch({torch::rand({4, 2}), torch::rand({2, 2})}), pair_mse);
+          }) ==
+          "stagewise::Pipe::train_step: target tensor 1 has 2 rows but the input has 4; give one "
+          "target row per input row");
+    CHECK(
+        error_of([&] {
+          pipe->train_step(sw::Batch({torch::rand({0, 2}), torch::rand({0, 2})}),
+                           sw::Batch(torch::rand({0, 2})), pair_mse);
+        }) ==
+        "stagewise::Pipe::train_step: the batch is empty (input tensor 0 has 0 rows); a step needs "
+        "at least one row, so skip empty batches");
+    auto loss = pipe->train_step(sw::Batch({torch::rand({4, 2}), torch::rand({4, 2})}),
+                                 sw::Batch(torch::rand({4, 2})), pair_mse);
+    CHECK(loss.dim() == 0);
   }
 }

@@ -28,3 +28,20 @@ inline void set_cpu_autocast(bool enabled) {
 }
 
 }  // namespace stagewise::testing
+
+namespace stagewise::testing {
+
+/// CPU autocast (bf16) on for its lifetime; at its end autocast is off and this thread's cast
+/// cache cleared, as leaving an autocast region does.
+///   { stagewise::testing::CpuAutocastRegion region; y = model->forward(x); }
+struct CpuAutocastRegion {
+  CpuAutocastRegion() { set_cpu_autocast(true); }
+  ~CpuAutocastRegion() {
+    set_cpu_autocast(false);
+    at::autocast::clear_cache();
+  }
+  CpuAutocastRegion(const CpuAutocastRegion&) = delete;
+  CpuAutocastRegion& operator=(const CpuAutocastRegion&) = delete;
+};
+
+}  // namespace stagewise::testing

@@ -1,10 +1,13 @@
 #pragma once
 
+#include "stagewise/core/autocast_state.hpp"
 #include "stagewise/core/checkpoint_state.hpp"
 #include "stagewise/core/dependency.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/core/phony.hpp"
 #include "stagewise/core/rng.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
 #include <torch/types.h>
@@ -30,6 +33,10 @@ struct CheckpointCall : torch::CustomClassHolder {
   run_section section;
   std::vector<torch::Tensor> inputs;  // kept until the recompute turns them into leaves
   std::optional<RngState> rng;
+  AutocastState autocast;  // of the first run, for the recompute
+  // The pipeline cell this checkpoint runs (stage and micro-batch), named in the context of the
+  // exceptions its recompute and backward raise; none for a standalone checkpoint.
+  std::optional<ErrorContext> where;
   bool recomputed = false;
   std::vector<torch::Tensor> outputs;  // of the recompute, with their graph
   std::vector<torch::Tensor> leaves;
@@ -43,6 +50,22 @@ struct CheckpointCall : torch::CustomClassHolder {
   }
   torch::Device device() const {
     return inputs.empty() ? torch::Device(torch::kCPU) : inputs.front().device();
+  }
+  // Runs `body`; an exception it raises gains this cell's context for `phase`.
+  template <class Body>
+  void in_phase(Phase phase, Body&& body) const {
+    if (!where) {
+      body();
+      return;
+    }
+    try {
+      body();
+    } catch (...) {
+      ErrorContext at = *where;
+      at.phase = phase;
+      annotate_current_exception(at);
+      throw;
+    }
   }
 };
 
@@ -59,13 +82,18 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<torch::Tensor> out;
     call->run([&] {
       call->rng = RngState::capture(call->device());
+      call->autocast = AutocastState::capture();
       torch::NoGradGuard no_grad;
+      // Casts made here have no autograd history: caching them would hand them to a later
+      // forward with grad in the same autocast region, whose parameters would get no gradient.
+      AutocastCacheOff no_cache;
       auto scope = checkpointing_scope();
       out = call->fn(call->inputs);
     });
     std::vector<torch::Tensor> non_differentiable;
     for (auto& t : out) {
-      TORCH_CHECK(t.defined(), "stagewise::checkpoint: the checkpointed function returned an "
+      TORCH_CHECK(t.defined(),
+                  "stagewise::checkpoint: the checkpointed function returned an "
                   "undefined tensor; return only defined tensors");
       if (!t.is_floating_point() && !t.is_complex()) non_differentiable.push_back(t);
     }
@@ -88,7 +116,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         out_grads.push_back(grads[k]);
       }
     }
-    if (!outs.empty()) torch::autograd::backward(outs, out_grads);
+    if (!outs.empty()) {
+      call->in_phase(Phase::backward, [&] { torch::autograd::backward(outs, out_grads); });
+    }
     torch::autograd::variable_list result;
     result.reserve(call->leaves.size() + 2);
     result.emplace_back();  // phony
@@ -101,8 +131,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   }
 };
 
-// Identity on a phony; its backward re-runs the function with grad enabled and the RNG replayed.
-// It is joined to the checkpoint's output, so it runs before the output's gradient goes on.
+// Identity on a phony; its backward re-runs the function with grad enabled, the RNG replayed and
+// the autocast settings of the first run (backward may run outside the autocast region, or on
+// another thread). It is joined to the checkpoint's output, so it runs before the output's
+// gradient goes on.
 struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor phony,
                                c10::intrusive_ptr<CheckpointCall> call) {
@@ -116,11 +148,23 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     std::vector<torch::Tensor> leaves;
     leaves.reserve(call->inputs.size());
     for (auto& x : call->inputs) leaves.push_back(x.detach().requires_grad_(x.requires_grad()));
-    call->run([&] {
-      RngState::Restore replay(*call->rng);
-      torch::AutoGradMode grad(true);
-      auto scope = recomputing_scope();
-      call->outputs = call->fn(leaves);
+    call->in_phase(Phase::recompute, [&] {
+      call->run([&] {
+        RngState::Restore replay(*call->rng);
+        AutocastState::Apply autocast(call->autocast);
+        // The recompute caches its casts like its forward would have (a weight used twice casts
+        // once), then drops them: this thread may be an autograd engine thread or may be outside
+        // any autocast region, and nobody else would clear them before the optimizer step.
+        struct ClearCasts {
+          bool on;
+          ~ClearCasts() {
+            if (on) at::autocast::clear_cache();
+          }
+        } clear_casts{call->autocast.enabled() && call->autocast.cache_enabled()};
+        torch::AutoGradMode grad(true);
+        auto scope = recomputing_scope();
+        call->outputs = call->fn(leaves);
+      });
     });
     call->leaves = std::move(leaves);
     call->inputs.clear();
@@ -130,13 +174,16 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 };
 
 // Checkpoints `fn(inputs)`: returns outputs connected to a Checkpoint node, with a Recompute
-// node joined to the first output that requires grad.
+// node joined to the first output that requires grad. `where` names the pipeline cell in the
+// context of exceptions from the recompute and the backward.
 inline std::vector<torch::Tensor> checkpoint_tensors(tensors_fn fn,
                                                      std::vector<torch::Tensor> inputs,
-                                                     run_section section = nullptr) {
+                                                     run_section section = nullptr,
+                                                     std::optional<ErrorContext> where = {}) {
   auto call = c10::make_intrusive<CheckpointCall>();
   call->fn = std::move(fn);
   call->section = std::move(section);
+  call->where = where;
   call->inputs = std::move(inputs);
   const auto device = call->device();
   // A fresh phony, not the cached one: a leaf that requires grad has one AccumulateGrad node,
@@ -211,12 +258,15 @@ struct result_traits<std::tuple<Ts...>> {
 /// Tensor arguments (and `std::vector<torch::Tensor>`) are routed through autograd; any other
 /// argument is passed through by value. The result may be a Tensor, a vector of Tensors or a
 /// tuple mixing them with other values. The CPU generator (and the inputs' device generator) is
-/// replayed, so dropout draws the same mask in the recompute. Parameters that `fn` captures get
-/// gradients even when no input requires grad. Under no-grad it simply calls `fn`.
+/// replayed, so dropout draws the same mask in the recompute, and the recompute runs under the
+/// autocast settings of the first run, also when backward is called after leaving the autocast
+/// region. The first run caches no autocast casts (they would lack autograd history). Parameters
+/// that `fn` captures get gradients even when no input requires grad. Under no-grad it simply
+/// calls `fn`.
 ///   auto y = stagewise::checkpoint([&](const torch::Tensor& x) { return block->forward(x); }, x);
 template <class F, class... Args>
-  requires std::invocable<F&, const std::remove_cvref_t<Args>&...>
-auto checkpoint(F&& fn, Args&&... args) {
+requires std::invocable < F&, const std::remove_cvref_t<Args>
+&... > auto checkpoint(F&& fn, Args&&... args) {
   using R = std::remove_cvref_t<std::invoke_result_t<F&, const std::remove_cvref_t<Args>&...>>;
   using traits = detail::result_traits<R>;
   if (!torch::GradMode::is_enabled()) return R(fn(args...));
@@ -234,7 +284,8 @@ auto checkpoint(F&& fn, Args&&... args) {
     std::size_t next = 0;
     auto call_args = std::apply(
         [&](const auto&... a) {
-          return std::tuple<std::remove_cvref_t<Args>...>{detail::replace_tensors(a, tensors, next)...};
+          return std::tuple<std::remove_cvref_t<Args>...>{
+              detail::replace_tensors(a, tensors, next)...};
         },
         *held);
     R result = std::apply([&](const auto&... a) { return R(f(a...)); }, call_args);

@@ -3,6 +3,7 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/dependency.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/fan_out.hpp"
 #include "stagewise/runtime/forward_skips.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
@@ -36,8 +37,9 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
 /// cells of a cycle concurrently on their stages' workers, and returns the gathered output,
 /// connected to autograd (the caller runs backward). Before cell (i, j) with i > 0, micro-batch
 /// i-1's value is forked and joined into micro-batch i's, so backward on each stage runs the
-/// micro-batches in the order m-1 .. 0. A stage's exception is rethrown unchanged after its
-/// cycle; later cycles never run. `skips` routes the skip connections (through portals).
+/// micro-batches in the order m-1 .. 0. A stage's exception is rethrown after its cycle with its
+/// type and text, its stage and micro-batch recorded (`error_context`); later cycles never run.
+/// `skips` routes the skip connections (through portals).
 inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages,
                               const Batch& input, int64_t chunks, Checkpoint mode, bool training,
                               std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
@@ -73,11 +75,20 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
     }
     workers.clear();
     for (const auto& c : cycle) workers.push_back(&stages[c.stage]->worker);
-    fan_out(workers, [&](std::size_t k) {
-      const auto c = cycle[k];
-      outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, replay, training,
-                                           portals.wrapper(c.micro, c.stage)));
-    }, AutocastCache::keep);
+    fan_out(
+        workers,
+        [&](std::size_t k) {
+          const auto c = cycle[k];
+          const ErrorContext where{c.stage, c.micro, Phase::forward};
+          try {
+            outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, replay, training,
+                                                 portals.wrapper(c.micro, c.stage), where));
+          } catch (...) {
+            ::stagewise::detail::annotate_current_exception(where);
+            throw;
+          }
+        },
+        AutocastCache::keep);
     for (std::size_t k = 0; k < cycle.size(); ++k) {
       batches[cycle[k].micro] = std::move(*outs[k]);
       outs[k].reset();

@@ -1,7 +1,9 @@
 #pragma once
 
+#include "stagewise/core/autocast_state.hpp"
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_state.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/fan_out.hpp"
@@ -63,6 +65,23 @@ struct TrainStep {
 
 namespace detail {
 
+// loss_fn's result for micro-batch i, checked to be a scalar and weighted by the micro-batch's
+// share of the rows.
+inline torch::Tensor micro_batch_loss(const Batch& out, TrainStep& step, int i) {
+  TORCH_CHECK(out.atomic() && step.targets[i].atomic(),
+              "stagewise::train_step: the last stage must return one Tensor and the target "
+              "must be one Tensor, to call loss_fn(output, target)");
+  torch::Tensor loss = step.loss_fn(out.tensor(), step.targets[i].tensor());
+  TORCH_CHECK(loss.defined(),
+              "stagewise::train_step: loss_fn returned an undefined tensor; "
+              "return the loss of the micro-batch");
+  TORCH_CHECK(loss.dim() == 0, "stagewise::train_step: loss_fn returned a tensor of shape ",
+              loss.sizes(),
+              ", not a scalar; reduce it to the mean over the micro-batch (e.g. "
+              "torch::mse_loss(out, target) with its default Reduction::Mean, or loss.mean())");
+  return loss * step.weights[i];
+}
+
 // F: runs stage j on micro-batch i from `x` and keeps what its backward needs; returns the output.
 inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x, TrainStep& step,
                           CellMemory& cell, torch::Tensor& total) {
@@ -77,12 +96,7 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
       return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
     };
     Batch out = step.skips ? step.skips->run(j, i, call) : call();
-    if (last) {
-      TORCH_CHECK(out.atomic() && step.targets[i].atomic(),
-                  "stagewise::train_step: the last stage must return one Tensor and the target "
-                  "must be one Tensor, to call loss_fn(output, target)");
-      cell.loss = step.loss_fn(out.tensor(), step.targets[i].tensor()) * step.weights[i];
-    }
+    if (last) cell.loss = micro_batch_loss(out, step, i);
     return out;
   };
   std::optional<Batch> out;
@@ -90,6 +104,9 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
     stage.rng.run(step.training, [&] {
       cell.rng = RngState::capture(stage.device);
       torch::NoGradGuard no_grad;
+      // No autocast casts cached without autograd history: the recompute and the other cells of
+      // this step on the worker would reuse them, and their parameters would get no gradient.
+      ::stagewise::detail::AutocastCacheOff no_cache;
       auto scope = ::stagewise::detail::checkpointing_scope();
       out.emplace(run());
     });
@@ -121,9 +138,26 @@ inline void recompute_cell(StageRuntime& stage, int j, int i, bool last, TrainSt
       return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
     };
     Batch out = step.skips ? step.skips->run(j, i, call) : call();
-    if (last) cell.loss = step.loss_fn(out.tensor(), step.targets[i].tensor()) * step.weights[i];
+    if (last) cell.loss = micro_batch_loss(out, step, i);
     cell.outputs.assign(out.begin(), out.end());
   });
+}
+
+// The phase an action runs, as error contexts name it.
+inline Phase phase_of(schedule::ActionKind kind) {
+  switch (kind) {
+    case schedule::ActionKind::forward:
+      return Phase::forward;
+    case schedule::ActionKind::recompute:
+      return Phase::recompute;
+    case schedule::ActionKind::backward:
+      return Phase::backward;
+    case schedule::ActionKind::input_grad:
+      return Phase::input_grad;
+    case schedule::ActionKind::weight_grad:
+      return Phase::weight_grad;
+  }
+  return Phase::forward;
 }
 
 // The outputs to differentiate and their gradients: the loss on the last stage, else the outputs
@@ -202,88 +236,99 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
       for (auto& g : grad->tensors) g = stage.take_in(g, next, static_cast<std::size_t>(i));
     }
     const double start = record ? now() : 0.0;
-    switch (a.kind) {
-      case ActionKind::forward: {
-        Batch x = step.inputs[static_cast<std::size_t>(i)];
-        if (j > 0) {
-          Batch in = received->atomic ? Batch(std::move(received->tensors.front()))
-                                      : Batch(std::move(received->tensors));
-          x = stage.receive(in, stages[static_cast<std::size_t>(j - 1)].get(),
-                            static_cast<std::size_t>(i));
+    // The action itself; an exception it raises gains the cell and the phase as context.
+    auto act = [&] {
+      switch (a.kind) {
+        case ActionKind::forward: {
+          Batch x = step.inputs[static_cast<std::size_t>(i)];
+          if (j > 0) {
+            Batch in = received->atomic ? Batch(std::move(received->tensors.front()))
+                                        : Batch(std::move(received->tensors));
+            x = stage.receive(in, stages[static_cast<std::size_t>(j - 1)].get(),
+                              static_cast<std::size_t>(i));
+          }
+          Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
+          if (step.skips) step.skips->send(j, i, mail);
+          if (!last) {
+            Message sent;
+            sent.atomic = out.atomic();
+            sent.tensors.reserve(out.size());
+            for (const auto& t : out) sent.tensors.push_back(t.detach());
+            mail.send({MessageKind::activation, j + 1, i}, std::move(sent));
+          }
+          break;
         }
-        Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
-        if (step.skips) step.skips->send(j, i, mail);
-        if (!last) {
-          Message sent;
-          sent.atomic = out.atomic();
-          sent.tensors.reserve(out.size());
-          for (const auto& t : out) sent.tensors.push_back(t.detach());
-          mail.send({MessageKind::activation, j + 1, i}, std::move(sent));
+        case ActionKind::recompute:
+          detail::recompute_cell(stage, j, i, last, step, cell);
+          break;
+        case ActionKind::backward: {
+          std::vector<torch::Tensor> outs;
+          std::vector<torch::Tensor> grads;
+          detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
+          if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
+            throw detail::Aborted{};
+          }
+          if (!outs.empty()) torch::autograd::backward(outs, grads);
+          if (step.skips) step.skips->send_grads(j, i, mail);
+          if (j > 0) {
+            Message input_grads;
+            input_grads.atomic = cell.input_atomic;
+            input_grads.tensors.reserve(cell.leaves.size());
+            for (auto& leaf : cell.leaves) input_grads.tensors.push_back(leaf.grad());
+            mail.send({MessageKind::gradient, j - 1, i}, std::move(input_grads));
+          }
+          cell = detail::CellMemory{};  // free this cell's activations now
+          break;
         }
-        break;
+        case ActionKind::input_grad: {
+          std::vector<torch::Tensor> outs;
+          std::vector<torch::Tensor> grads;
+          detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
+          // A stashing cell's I starts from its outputs and its stashed tensors (with the gradients
+          // their popping stages sent back), as its B would; a popping cell's I also asks for the
+          // gradients of the skips it popped and sends them back at once, as it does its inputs'.
+          if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
+            throw detail::Aborted{};
+          }
+          std::vector<torch::Tensor> targets = cell.leaves;
+          const std::size_t inputs = targets.size();
+          if (step.skips) {
+            for (auto& t :
+                 step.skips->popped(static_cast<std::size_t>(j), static_cast<std::size_t>(i)))
+              targets.push_back(std::move(t));
+          }
+          cell.split.emplace();
+          auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), targets);
+          if (step.skips) {
+            const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs,
+                                                        input_grads.end());
+            step.skips->send_grads(j, i, mail, &skip_grads);
+            input_grads.resize(inputs);
+          }
+          if (j > 0) {
+            mail.send({MessageKind::gradient, j - 1, i},
+                      Message{std::move(input_grads), cell.input_atomic});
+          }
+          cell.outputs.clear();  // the split holds the graph until W
+          cell.loss = torch::Tensor();
+          break;
+        }
+        case ActionKind::weight_grad: {
+          TORCH_CHECK(cell.split, "stagewise::train_step: ", schedule::to_string(a),
+                      " runs before its input-gradient pass; verify the schedule");
+          cell.split->weight_grad();
+          cell = detail::CellMemory{};
+          break;
+        }
       }
-      case ActionKind::recompute:
-        detail::recompute_cell(stage, j, i, last, step, cell);
-        break;
-      case ActionKind::backward: {
-        std::vector<torch::Tensor> outs;
-        std::vector<torch::Tensor> grads;
-        detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
-        if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
-          throw detail::Aborted{};
-        }
-        if (!outs.empty()) torch::autograd::backward(outs, grads);
-        if (step.skips) step.skips->send_grads(j, i, mail);
-        if (j > 0) {
-          Message input_grads;
-          input_grads.atomic = cell.input_atomic;
-          input_grads.tensors.reserve(cell.leaves.size());
-          for (auto& leaf : cell.leaves) input_grads.tensors.push_back(leaf.grad());
-          mail.send({MessageKind::gradient, j - 1, i}, std::move(input_grads));
-        }
-        cell = detail::CellMemory{};  // free this cell's activations now
-        break;
-      }
-      case ActionKind::input_grad: {
-        std::vector<torch::Tensor> outs;
-        std::vector<torch::Tensor> grads;
-        detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
-        // A stashing cell's I starts from its outputs and its stashed tensors (with the gradients
-        // their popping stages sent back), as its B would; a popping cell's I also asks for the
-        // gradients of the skips it popped and sends them back at once, as it does its inputs'.
-        if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
-          throw detail::Aborted{};
-        }
-        std::vector<torch::Tensor> targets = cell.leaves;
-        const std::size_t inputs = targets.size();
-        if (step.skips) {
-          for (auto& t :
-               step.skips->popped(static_cast<std::size_t>(j), static_cast<std::size_t>(i)))
-            targets.push_back(std::move(t));
-        }
-        cell.split.emplace();
-        auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), targets);
-        if (step.skips) {
-          const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs,
-                                                      input_grads.end());
-          step.skips->send_grads(j, i, mail, &skip_grads);
-          input_grads.resize(inputs);
-        }
-        if (j > 0) {
-          mail.send({MessageKind::gradient, j - 1, i},
-                    Message{std::move(input_grads), cell.input_atomic});
-        }
-        cell.outputs.clear();  // the split holds the graph until W
-        cell.loss = torch::Tensor();
-        break;
-      }
-      case ActionKind::weight_grad: {
-        TORCH_CHECK(cell.split, "stagewise::train_step: ", schedule::to_string(a),
-                    " runs before its input-gradient pass; verify the schedule");
-        cell.split->weight_grad();
-        cell = detail::CellMemory{};
-        break;
-      }
+    };
+    try {
+      act();
+    } catch (const detail::Aborted&) {
+      throw;
+    } catch (...) {
+      ::stagewise::detail::annotate_current_exception(ErrorContext{j, i, detail::phase_of(a.kind)});
+      throw;
     }
     if (record) record->push_back({a, w, start, now(), start - ready});
   }

@@ -2,6 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/core/stage_spec.hpp"
 #include "stagewise/runtime/rng_section.hpp"
 #include "stagewise/runtime/stream.hpp"
@@ -63,8 +64,10 @@ struct StageRuntime {
 
   /// Runs the stage on this thread: plainly, or checkpointed (`checkpointed`), inside the
   /// random-number section when exact replay matters (`replay`); through `wrap` when given.
+  /// `where` (the cell) is named in the context of exceptions from a checkpointed cell's
+  /// recompute and backward, which run later, in the caller's backward.
   Batch run(const Batch& in, bool checkpointed, bool replay, bool training,
-            cell_wrapper wrap = nullptr) {
+            cell_wrapper wrap = nullptr, std::optional<ErrorContext> where = {}) {
     std::optional<c10::DeviceGuard> device_guard;
     std::optional<c10::StreamGuard> stream_guard;
     if (device.type() != torch::kCPU) {
@@ -83,8 +86,8 @@ struct StageRuntime {
       detail::run_section section;
       if (replay)
         section = [this, training](const std::function<void()>& body) { rng.run(training, body); };
-      auto outs =
-          detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()}, std::move(section));
+      auto outs = detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()},
+                                             std::move(section), where);
       if (*atomic) return Batch(std::move(outs.front()));
       return Batch(std::move(outs));
     }
