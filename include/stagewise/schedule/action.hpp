@@ -37,4 +37,10 @@ struct Cell {
   friend bool operator==(const Cell&, const Cell&) = default;
 };
 
+/// Printed as "(micro 2, stage 1)", so that test frameworks and loggers can show cells (and
+/// vectors of them, once glog's stl_logging.h, which LibTorch may include, is in scope).
+inline std::ostream& operator<<(std::ostream& os, const Cell& c) {
+  return os << "(micro " << c.micro << ", stage " << c.stage << ")";
+}
+
 }  // namespace stagewise::schedule
