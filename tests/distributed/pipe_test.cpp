@@ -231,8 +231,11 @@ TEST_SUITE("distributed pipe") {
           report(error_of([&] { pipe.train_step(x, y, dp::mse, sched::one_f_one_b{}); }));
         },
         60s);
-    CHECK(r[1].text == "trap sprung in forward");
-    CHECK(r[0].text == "stagewise: rank 1 failed: trap sprung in forward. Rank 0 stops too.");
+    // The error names the cell that raised it, on its own rank and on the others.
+    CHECK(r[1].text == "trap sprung in forward (stagewise: stage 1, micro-batch 1, forward)");
+    CHECK(r[0].text ==
+          "stagewise: rank 1 failed: trap sprung in forward (stagewise: stage 1, micro-batch 1, "
+          "forward). Rank 0 stops too.");
   }
 
   TEST_CASE("a rank killed in the middle of a step fails the others, naming it, no hang") {
