@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -152,6 +153,10 @@ TEST_SUITE("c10d transport") {
           const auto waited = std::chrono::steady_clock::now() - start;
           stagewise::testing::report(e);
           expect(waited < 5s, "took too long to fail");
+          // Rank 0 serves the store: it stays until rank 1 has read the cause from it (had it
+          // gone first, rank 1 could only say that rank 2's connection closed).
+          c.store->add("reported", 1);
+          while (rank == 0 && c.store->add("reported", 0) < 2) std::this_thread::sleep_for(5ms);
         },
         60s);
     CHECK(of(r, 2).status == 0);
@@ -209,6 +214,79 @@ TEST_SUITE("c10d transport") {
     CHECK(contains(of(r, 1).text,
                    "stagewise: rank 0 is gone: its connection closed while rank 1 "
                    "exchanged the activation of micro-batch 0 for stage 1"));
+  }
+
+  TEST_CASE("receives posted ahead take messages while the receiver is busy, steps apart") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          for (int step = 0; step < 2; ++step) {
+            const std::string done = "sent " + std::to_string(step);
+            // Rank 0's transport, once destroyed, has had its sends received (else it cancels
+            // them): with nobody calling recv on rank 1 meanwhile, only receives posted ahead
+            // can take them. Rank 1 then still reads every message, in any order.
+            std::optional<rt::C10dTransport> t;
+            t.emplace(c, rank_of_two, std::vector<stagewise::schedule::SkipRoute>{},
+                      rt::C10dOptions().timeout(20s));
+            t->begin_step(2, 3, 0);
+            if (rank == 0) {
+              for (int m = 0; m < 3; ++m) t->send({MessageKind::activation, 1, m}, sample(m));
+              t.reset();
+              c.store->set(done, std::vector<std::uint8_t>{1});
+              // Connected until rank 1 is through: its error cases post receives from rank 0.
+              while (step == 1 && !c.store->check({"finished"})) std::this_thread::sleep_for(5ms);
+              continue;
+            }
+            std::vector<MessageKey> keys;
+            for (int m = 0; m < 3; ++m) keys.push_back({MessageKind::activation, 1, m});
+            keys.push_back({MessageKind::activation, 2, 0});  // from rank 1 itself: left alone
+            t->expect(keys);
+            while (!c.store->check({done})) std::this_thread::sleep_for(5ms);
+            for (int m : {1, 2, 0}) {
+              check_sample(t->recv({MessageKind::activation, 1, m}).value(), m);
+            }
+            if (step == 1) {  // last: a receive left posted must not meet a later message
+              expect(error_of([&] { t->expect({{MessageKind::activation, 0, 0}}); }) ==
+                         "stagewise::C10dTransport::expect: the activation of micro-batch 0 for "
+                         "stage 0 has no sending stage (stage 0 receives no activation)",
+                     "a key nobody sends is refused");
+              expect(error_of([&] { t->expect({keys[1], keys[1]}); }) ==
+                         "stagewise::C10dTransport::expect: the activation of micro-batch 1 for "
+                         "stage 1 is expected twice in one step",
+                     "expecting a key twice is refused");
+              c.store->set("finished", std::vector<std::uint8_t>{1});
+            }
+          }
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).text == "");
+      CHECK(of(r, k).status == 0);
+    }
+  }
+
+  TEST_CASE("a receive posted ahead that never comes fails every rank after the timeout") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
+          t.begin_step(2, 1, 0);
+          const MessageKey k = rank == 0 ? MessageKey{MessageKind::gradient, 0, 0}
+                                         : MessageKey{MessageKind::activation, 1, 0};
+          t.expect({k});
+          stagewise::testing::report(error_of([&] { t.recv(k); }));
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).status == 0);
+      CHECK(contains(of(r, k).text, "waited more than 1000 ms for the "));
+      // The rank that times out first tells the other, whose message is then the same.
+      CHECK(contains(of(r, k).text, "; that rank is stuck or slower than the timeout"));
+    }
   }
 
   TEST_CASE("a receive past the timeout fails every rank instead of hanging") {

@@ -233,9 +233,12 @@ TEST_SUITE("distributed pipe") {
         60s);
     // The error names the cell that raised it, on its own rank and on the others.
     CHECK(r[1].text == "trap sprung in forward (stagewise: stage 1, micro-batch 1, forward)");
-    CHECK(r[0].text ==
-          "stagewise: rank 1 failed: trap sprung in forward (stagewise: stage 1, micro-batch 1, "
-          "forward). Rank 0 stops too.");
+    // Rank 0 learns it while waiting for a message, or in a send from a cell of its own, which
+    // the text then names after this.
+    INFO(r[0].text);
+    CHECK(r[0].text.starts_with(
+        "stagewise: rank 1 failed: trap sprung in forward (stagewise: stage 1, micro-batch 1, "
+        "forward). Rank 0 stops too."));
   }
 
   TEST_CASE("a rank killed in the middle of a step fails the others, naming it, no hang") {

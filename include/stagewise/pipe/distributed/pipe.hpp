@@ -284,6 +284,9 @@ class Pipe {
     }
     if (before) before(m);
     transport_->begin_step(n, m, static_cast<int>(routes_.size()));
+    // Every receive of the step is posted now, in the verified order: messages travel while this
+    // rank computes.
+    transport_->expect(runtime::receives_of(schedule::comms(plan, routes_), rank()));
     // This rank's one worker thread runs all of its stages, in plan order.
     std::vector<runtime::Worker*> workers(static_cast<std::size_t>(workers_), nullptr);
     for (int j = 0; j < n; ++j) {

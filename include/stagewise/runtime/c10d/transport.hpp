@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -77,6 +78,34 @@ inline std::string describe(const MessageKey& k) {
 
 }  // namespace detail
 
+/// The messages worker `w` receives from other workers in a step, in the order it receives
+/// them: what `C10dTransport::expect` posts ahead.
+///   t.expect(receives_of(schedule::comms(plan, routes), t.rank()));
+inline std::vector<MessageKey> receives_of(const schedule::CommPlan& c, int w) {
+  std::vector<MessageKey> keys;
+  for (const auto& step : c.programs.at(static_cast<std::size_t>(w))) {
+    const auto& t = step.transfer;
+    if (step.send || c.worker_of(t.from) == w) continue;
+    MessageKind kind = MessageKind::activation;
+    switch (t.kind) {
+      case schedule::TransferKind::activation:
+        kind = MessageKind::activation;
+        break;
+      case schedule::TransferKind::gradient:
+        kind = MessageKind::gradient;
+        break;
+      case schedule::TransferKind::skip:
+        kind = MessageKind::skip;
+        break;
+      case schedule::TransferKind::skip_grad:
+        kind = MessageKind::skip_grad;
+        break;
+    }
+    keys.push_back(MessageKey{kind, t.to, t.micro, t.skip});
+  }
+  return keys;
+}
+
 /// Moves messages between the stages of a pipeline whose stages live in several processes:
 /// to a stage of this process through the step's MailboxTransport, to another rank over c10d
 /// point-to-point. A message to another rank is a header (number of tensors, atomic flag, and
@@ -108,6 +137,7 @@ class C10dTransport {
         abort_key_(options_.prefix_ + "/abort") {
     watchdog_ = std::thread([this] { watch(); });
     reaper_ = std::thread([this] { reap(); });
+    receiver_ = std::thread([this] { receive_ahead(); });
   }
 
   C10dTransport(const C10dTransport&) = delete;
@@ -125,6 +155,7 @@ class C10dTransport {
     wake_.notify_all();
     reaper_.join();
     watchdog_.join();
+    receiver_.join();
   }
 
   /// This process's rank.
@@ -143,6 +174,43 @@ class C10dTransport {
     local_ = std::move(local);
   }
 
+  /// Posts the receives of this step's messages from other ranks now, in the order this rank
+  /// will ask for them (`keys`, as `schedule::comms` derives them from the verified plan; keys
+  /// from this rank's own stages are left to the local mailbox). A background thread completes
+  /// each as its sender sends it, so a message travels while this rank computes, and `recv(k)`
+  /// takes it from there. The order must be the plan's: it is the order proved deadlock-free.
+  /// On a CPU transport only (Gloo); elsewhere receives are posted when `recv` is called.
+  ///   t.begin_step(2, 8, 0);
+  ///   t.expect({{MessageKind::activation, 1, 0}, {MessageKind::gradient, 0, 0}});
+  void expect(const std::vector<MessageKey>& keys) {
+    if (!options_.device_.is_cpu()) return;
+    rethrow_failure();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopped_) return;  // aborted here: nothing more is received
+    }
+    for (const auto& k : keys) {
+      const int from = source_stage(k);
+      TORCH_CHECK(from >= 0, "stagewise::C10dTransport::expect: ", detail::describe(k),
+                  " has no sending stage (stage 0 receives no activation)");
+      const int src = rank_of_(from);
+      if (src == rank()) continue;
+      Ahead a{k, src, tag_of(k), torch::empty({detail::kHeaderWords}, torch::kInt64), 0};
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        TORCH_CHECK(arrivals_.find(k) == arrivals_.end(), "stagewise::C10dTransport::expect: ",
+                    detail::describe(k), " is expected twice in one step");
+      }
+      auto id = post(a.header, src, a.tag, k, std::chrono::steady_clock::time_point::max());
+      if (!id) return;  // aborted here
+      a.id = *id;
+      std::lock_guard<std::mutex> lock(mutex_);
+      arrivals_.emplace(k, Arrival{});
+      ahead_.push_back(std::move(a));
+    }
+    wake_.notify_all();
+  }
+
   /// Sends `m` to stage `k.stage`; returns once the sends are started (never waits for the
   /// receiver). After a failure elsewhere it throws that failure.
   void send(const MessageKey& k, Message m) {
@@ -153,7 +221,7 @@ class C10dTransport {
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) std::rethrow_exception(failure_);
+      if (failure_) throw_copy(failure_);
       if (stopped_) return;  // this rank aborted: nobody waits for it any more
     }
     const int tag = tag_of(k);
@@ -178,7 +246,14 @@ class C10dTransport {
     std::lock_guard<std::mutex> post(post_);
     for (auto& t : out) {
       std::vector<at::Tensor> one{t};
-      auto work = group_.send(one, dst, tag);
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        work = group_.send(one, dst, tag);
+      } catch (const std::exception& e) {
+        // The connection to `dst` closed: say why (a failure it published, else that it is gone).
+        if (aborted_here()) return;
+        fail_peer(dst, k, e);
+      }
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopped_) work->abort();
       sends_.push_back({std::move(work), dst, k});
@@ -191,27 +266,14 @@ class C10dTransport {
   std::optional<Message> recv(const MessageKey& k) {
     const int src = rank_of_(source_stage(k));
     if (src == rank()) return local().recv(k);
+    bool expected = false;
+    auto ahead = take_ahead(k, src, expected);
+    if (expected) return ahead;
     const int tag = tag_of(k);
     auto fixed = torch::empty({detail::kHeaderWords},
                               torch::TensorOptions().dtype(torch::kInt64).device(options_.device_));
     if (!receive(fixed, src, tag, k)) return std::nullopt;
-    std::vector<std::int64_t> words;
-    {
-      auto cpu = fixed.cpu();
-      const auto rest = detail::header_rest(cpu);
-      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
-      if (rest > 0) {
-        auto more = torch::empty({rest}, fixed.options());
-        if (!receive(more, src, tag, k)) return std::nullopt;
-        auto m = more.cpu();
-        words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
-      }
-    }
-    Message m = detail::decode_header(words, options_.device_);
-    for (auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0 && !receive(t, src, tag, k)) return std::nullopt;
-    }
-    return m;
+    return receive_rest(fixed, src, tag, k);
   }
 
   /// Stops this rank's communication after a failure here: tells every other rank through the
@@ -248,6 +310,110 @@ class C10dTransport {
     MessageKey key;
     std::chrono::steady_clock::time_point deadline;
   };
+  // A message whose header receive was posted ahead (by `expect`).
+  struct Ahead {
+    MessageKey key;
+    int src = 0;
+    int tag = 0;
+    torch::Tensor header;
+    std::uint64_t id = 0;  // the header's receive, in waiting_
+  };
+  // What the receiver thread got for an expected message.
+  struct Arrival {
+    bool done = false;
+    std::optional<Message> message;  // nothing: this rank aborted
+    std::exception_ptr error;
+  };
+
+  // Throws a copy of the failure `e`: each thread that learns of it gets its own exception
+  // object, to which the executor may add its cell as context without touching the others'.
+  [[noreturn]] static void throw_copy(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const c10::Error& x) {
+      throw c10::Error(x);
+    }
+  }
+
+  // The rest of a message whose fixed header `fixed` has arrived: the header's tail, then the
+  // tensors. Nothing once this process aborted.
+  std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
+                                      const MessageKey& k) {
+    std::vector<std::int64_t> words;
+    {
+      auto cpu = fixed.cpu();
+      const auto rest = detail::header_rest(cpu);
+      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
+      if (rest > 0) {
+        auto more = torch::empty({rest}, fixed.options());
+        if (!receive(more, src, tag, k)) return std::nullopt;
+        auto m = more.cpu();
+        words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
+      }
+    }
+    Message m = detail::decode_header(words, options_.device_);
+    for (auto& t : m.tensors) {
+      if (t.defined() && t.numel() > 0 && !receive(t, src, tag, k)) return std::nullopt;
+    }
+    return m;
+  }
+
+  // Waits for expected message `k` (from rank `src`), completed by the receiver thread;
+  // `expected` false when `k` was not expected this step (then nothing was waited for). The
+  // wait is bounded by the timeout from the moment this rank needs the message.
+  std::optional<Message> take_ahead(const MessageKey& k, int src, bool& expected) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = arrivals_.find(k);
+    expected = it != arrivals_.end();
+    if (!expected) return std::nullopt;
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout_;
+    while (true) {
+      it = arrivals_.find(k);
+      if (it->second.done) {
+        Arrival a = std::move(it->second);
+        arrivals_.erase(it);
+        lock.unlock();
+        if (a.error) std::rethrow_exception(a.error);
+        return std::move(a.message);
+      }
+      if (failure_ && !aborted_here_) throw_copy(failure_);
+      if (aborted_here_) return std::nullopt;
+      if (wake_.wait_until(lock, deadline) == std::cv_status::timeout &&
+          !arrivals_.find(k)->second.done) {
+        const std::string stuck =
+            "rank " + std::to_string(rank()) + " waited more than " +
+            std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(k) +
+            " from rank " + std::to_string(src) + "; that rank is stuck or slower than " +
+            "the timeout (raise C10dOptions::timeout if its stage is just slow)";
+        lock.unlock();
+        publish(stuck);
+        fail(stuck);
+        lock.lock();
+      }
+    }
+  }
+
+  // Background: completes the messages posted ahead, in order, and hands them to take_ahead.
+  void receive_ahead() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return closing_ || !ahead_.empty(); });
+      if (ahead_.empty()) return;
+      Ahead a = std::move(ahead_.front());
+      ahead_.pop_front();
+      lock.unlock();
+      Arrival got;
+      got.done = true;
+      try {
+        if (await(a.id, a.src, a.key)) got.message = receive_rest(a.header, a.src, a.tag, a.key);
+      } catch (...) {
+        got.error = std::current_exception();
+      }
+      lock.lock();
+      arrivals_[a.key] = std::move(got);
+      wake_.notify_all();
+    }
+  }
 
   MailboxTransport& local() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -294,22 +460,38 @@ class C10dTransport {
 
   // Receives into `t`; false once aborted here; throws the failure otherwise.
   bool receive(torch::Tensor& t, int src, int tag, const MessageKey& k) {
+    auto id = post(t, src, tag, k, std::chrono::steady_clock::now() + options_.timeout_);
+    return id && await(*id, src, k);
+  }
+
+  // Posts a receive into `t`, which the watchdog fails after `deadline`; its id in waiting_, or
+  // nothing once aborted here; throws the failure otherwise.
+  std::optional<std::uint64_t> post(const torch::Tensor& t, int src, int tag, const MessageKey& k,
+                                    std::chrono::steady_clock::time_point deadline) {
     std::vector<at::Tensor> in{t};
     rethrow_failure();
     c10::intrusive_ptr<c10d::Work> work;
     try {
+      // Posts are serialised with the sends: a process group's calls may share state.
+      std::lock_guard<std::mutex> posting(post_);
       work = group_.recv(in, src, tag);
     } catch (const std::exception& e) {
-      if (aborted_here()) return false;
+      if (aborted_here()) return std::nullopt;
       fail_peer(src, k, e);
     }
-    std::uint64_t id = 0;
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::uint64_t id = next_id_++;
+    waiting_.emplace(id, Waiting{work, src, k, deadline});
+    if (stopped_) work->abort();
+    return id;
+  }
+
+  // Waits for the receive `id` posted from rank `src`; false once aborted here.
+  bool await(std::uint64_t id, int src, const MessageKey& k) {
+    c10::intrusive_ptr<c10d::Work> work;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      id = next_id_++;
-      waiting_.emplace(id,
-                       Waiting{work, src, k, std::chrono::steady_clock::now() + options_.timeout_});
-      if (stopped_) work->abort();
+      work = waiting_.at(id).work;
     }
     bool done = false;
     try {
@@ -333,7 +515,7 @@ class C10dTransport {
   // nothing and the executor reports its own error).
   void rethrow_failure() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_ && !aborted_here_) std::rethrow_exception(failure_);
+    if (failure_ && !aborted_here_) throw_copy(failure_);
   }
 
   bool aborted_here() {
@@ -345,12 +527,19 @@ class C10dTransport {
   [[noreturn]] void fail_peer(int peer, const MessageKey& k, const std::exception& e) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) std::rethrow_exception(failure_);
+      if (failure_) throw_copy(failure_);
     }
-    // A rank that failed published why before it exited: that is the cause to report.
-    if (auto published = read_published()) {
-      fail(*published);
-      rethrow_failure();
+    // A rank that failed published why before it exited: that is the cause to report. The
+    // closed connection can be seen here before the store answers with it, so look a few times.
+    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll_,
+                                                                   std::chrono::milliseconds(300));
+    while (true) {
+      if (auto published = read_published()) {
+        fail(*published);
+        rethrow_failure();
+      }
+      if (std::chrono::steady_clock::now() > until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     const std::string what = "rank " + std::to_string(peer) + " is gone: its connection closed " +
                              "while rank " + std::to_string(rank()) + " exchanged " +
@@ -512,8 +701,11 @@ class C10dTransport {
   bool aborted_here_ = false;  // abort() was called on this rank
   bool closing_ = false;
   std::exception_ptr failure_;
+  std::deque<Ahead> ahead_;                              // posted ahead, not yet received
+  std::unordered_map<MessageKey, Arrival> arrivals_;     // expected this step, by key
   std::thread watchdog_;
   std::thread reaper_;
+  std::thread receiver_;
 };
 
 }  // namespace stagewise::runtime
