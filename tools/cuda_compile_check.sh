@@ -10,7 +10,8 @@ Compiles stagewise's GPU code paths with CUDA enabled, for syntax and types only
 -fsyntax-only, C++20, -Wall -Wextra -Werror; nothing is linked or run), so they cannot rot while
 no GPU is at hand. Each of these is one case:
   - every public header (include/stagewise/**/*.hpp) in one translation unit, with USE_CUDA
-    defined, so `#if defined(USE_CUDA)` branches are compiled too;
+    defined, so `#if defined(USE_CUDA)` branches are compiled too (and USE_C10D_GLOO, which the
+    distributed headers need, as //:distributed defines it);
   - tests/cuda/cuda_paths.cpp: the device-generic streams, RNG snapshots and a two-GPU Pipe
     driven with CUDA's own types (c10::cuda::CUDAStream, CUDAGuard, at::cuda::CUDAEvent, the
     CUDA generator);
@@ -53,7 +54,7 @@ if [[ ! -f $torch/include/c10/cuda/CUDAStream.h ]]; then
   exit 2
 fi
 
-flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Werror -DUSE_CUDA
+flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Werror -DUSE_CUDA -DUSE_C10D_GLOO
        -I"$repo/include" -I"$repo")
 [[ $torch == /usr ]] || flags+=(-isystem "$torch/include")
 flags+=(-isystem "$torch/include/torch/csrc/api/include" -isystem "$cuda/include")

@@ -9,13 +9,13 @@
 #include <torch/version.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/threads.hpp"
 
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <filesystem>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -99,15 +99,6 @@ struct CpuAutocast {
     at::autocast::clear_cache();
   }
 };
-
-std::size_t thread_count() {
-  std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry :
-       std::filesystem::directory_iterator("/proc/self/task")) {
-    ++n;
-  }
-  return n;
-}
 
 // Three towers of different widths on separate inputs, for the equality tests.
 struct Towers {
@@ -532,9 +523,9 @@ TEST_SUITE("parallel branches: threads") {
       (outs[0] + outs[1]).sum().backward();
     };
     call();
-    const auto before = thread_count();
+    const auto before = sw::testing::thread_count();
     for (int i = 0; i < 50; ++i) call();
-    CHECK(thread_count() == before);
+    CHECK(sw::testing::thread_count() == before);
   }
 }
 

@@ -1,11 +1,11 @@
 #include "stagewise/runtime/thread_pool.hpp"
+#include "tests/support/threads.hpp"
 
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <filesystem>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -15,18 +15,8 @@
 
 namespace sw = stagewise;
 
-namespace {
-
-std::size_t thread_count() {
-  std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry :
-       std::filesystem::directory_iterator("/proc/self/task")) {
-    ++n;
-  }
-  return n;
-}
-
-}  // namespace
+using sw::testing::settled_thread_count;
+using sw::testing::thread_count;
 
 TEST_SUITE("thread pool") {
   TEST_CASE("runs every index exactly once") {
@@ -148,13 +138,13 @@ TEST_SUITE("thread pool") {
       CHECK(thread_count() == before + 3);
       pool.run(16, [](std::size_t) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
     }
-    CHECK(thread_count() == before);
+    CHECK(settled_thread_count(before) == before);
     {
       sw::ThreadPool pool(3);
       CHECK_THROWS_AS(pool.run(8, [](std::size_t) { throw std::logic_error("x"); }),
                       std::logic_error);
     }
-    CHECK(thread_count() == before);
+    CHECK(settled_thread_count(before) == before);
   }
 
   TEST_CASE("size 0 is an error naming the fix") {

@@ -1,13 +1,13 @@
 #include "stagewise/runtime/worker.hpp"
 #include "stagewise/pipe.hpp"
 #include "tests/support/autocast.hpp"
+#include "tests/support/threads.hpp"
 
 #include <torch/torch.h>
 
 #include <doctest/doctest.h>
 
 #include <atomic>
-#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -15,21 +15,8 @@
 
 namespace sw = stagewise;
 
-namespace {
-// Threads of this process, from /proc.
-int thread_count() {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "Threads:") {
-      int n = 0;
-      status >> n;
-      return n;
-    }
-  }
-  return -1;
-}
-}  // namespace
+using sw::testing::settled_thread_count;
+using sw::testing::thread_count;
 
 TEST_SUITE("workers") {
   TEST_CASE("a worker runs posted tasks in order on its own thread") {
@@ -61,7 +48,7 @@ TEST_SUITE("workers") {
   }
 
   TEST_CASE("one worker per stage, joined when the pipe goes away, even after a stage threw") {
-    const int before = thread_count();
+    const auto before = thread_count();
     {
       auto fails = [](const torch::Tensor&) -> torch::Tensor {
         throw std::runtime_error("stage failed");
@@ -76,7 +63,7 @@ TEST_SUITE("workers") {
                                        }),
                       std::runtime_error);
     }
-    CHECK(thread_count() == before);
+    CHECK(settled_thread_count(before) == before);
   }
 
   TEST_CASE("workers inherit the caller's thread-local state: grad mode and CPU autocast") {

@@ -8,6 +8,9 @@
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+#ifndef USE_C10D_GLOO
+#error "stagewise's distributed headers need LibTorch's Gloo: compile with -DUSE_C10D_GLOO and Gloo's headers (Debian: libgloo-dev); Bazel: depend on //:distributed; CMake: link stagewise::distributed"
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
