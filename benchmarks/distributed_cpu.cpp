@@ -198,8 +198,9 @@ int main(int argc, char** argv) {
     ::waitpid(pid, &status, 0);
     failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   }
-  const auto anchor =
-      bench::run_key_values("/usr/bin/python3 benchmarks/anchors/torch_pipelining.py 2>/dev/null");
+  // The system's python3 if its torch has the module, else a Debian 13 root's (as pipe_cpu).
+  const auto anchor = bench::run_anchor("benchmarks/anchors/torch_pipelining.py",
+                                        "torch.distributed.pipelining", "");
   const bench::Summary torch_us{bench::value_or_nan(anchor, "torch_pipelining_min_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_max_us")};

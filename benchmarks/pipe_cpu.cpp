@@ -18,7 +18,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -41,62 +40,6 @@ void microbatch_loop(Model& model, const torch::Tensor& x, const torch::Tensor& 
   for (std::size_t i = 0; i < xs.size(); ++i) {
     (mse(model(xs[i]), ts[i]) * (double(xs[i].size(0)) / double(x.size(0)))).backward();
   }
-}
-
-// A Python that has `module` (e.g. torch.distributed.pipelining): "python3 " if the system's has
-// it, else "chroot DIR python3 " for a Debian root under /var/cache/stagewise (or
-// $STAGEWISE_PYTHON_ROOT) that has it; "" if none. `root` receives DIR ("" for the system).
-std::string python_with(const std::string& module, std::string& root) {
-  const std::string probe = " -c 'import " + module + "' >/dev/null 2>&1";
-  root.clear();
-  if (std::system(("/usr/bin/python3" + probe).c_str()) == 0) return "/usr/bin/python3 ";
-  std::vector<std::filesystem::path> candidates;
-  if (const char* dir = std::getenv("STAGEWISE_PYTHON_ROOT")) candidates.emplace_back(dir);
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/var/cache/stagewise", ec)) {
-    candidates.push_back(e.path());
-  }
-  for (const auto& dir : candidates) {
-    if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
-    // Hold the root's lock file, if it has one, so that whoever maintains the root does not
-    // tear it down (and end the anchor's processes) meanwhile.
-    const auto lock = dir.string() + ".lock";
-    const std::string locked =
-        std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
-    const std::string chroot =
-        locked + "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
-    if (std::system((chroot + "python3" + probe).c_str()) == 0) {
-      root = dir.string();
-      return chroot + "python3 ";
-    }
-  }
-  return "";
-}
-
-// Runs an anchor script with the Python found for `module`; inside a chroot the script and
-// anchor_common.py are copied to the root's /tmp/stagewise_anchors first. Empty when no such
-// Python exists.
-std::map<std::string, double> run_anchor(const std::string& script, const std::string& module,
-                                         const std::string& args) {
-  std::string root;
-  const std::string python = python_with(module, root);
-  if (python.empty()) return {};
-  std::string path = script;
-  if (!root.empty()) {
-    // The script and the helpers it imports, into the root's /tmp.
-    const auto from = std::filesystem::path(script);
-    const auto inside = std::filesystem::path("/tmp/stagewise_anchors");
-    std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(root) / inside.relative_path(), ec);
-    for (const auto& name : {from.filename(), std::filesystem::path("anchor_common.py")}) {
-      std::filesystem::copy_file(from.parent_path() / name,
-                                 std::filesystem::path(root) / inside.relative_path() / name,
-                                 std::filesystem::copy_options::overwrite_existing, ec);
-      if (ec) return {};
-    }
-    path = (inside / from.filename()).string();
-  }
-  return bench::run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
 }
 
 void row(const std::string& what, double value, const std::string& unit) {
@@ -342,10 +285,10 @@ int main(int argc, char** argv) {
   // torch.distributed.pipelining (one process per stage over Gloo). Both print their own sequential
   // times for a cross-check.
   const std::string rounds_arg = "--rounds " + std::to_string(rounds);
-  const auto pipe_anchor =
-      run_anchor("benchmarks/anchors/torch_pipe.py", "torch.distributed.pipeline.sync", rounds_arg);
-  const auto pipelining = run_anchor("benchmarks/anchors/torch_pipelining.py",
-                                     "torch.distributed.pipelining", rounds_arg);
+  const auto pipe_anchor = bench::run_anchor("benchmarks/anchors/torch_pipe.py",
+                                             "torch.distributed.pipeline.sync", rounds_arg);
+  const auto pipelining = bench::run_anchor("benchmarks/anchors/torch_pipelining.py",
+                                            "torch.distributed.pipelining", rounds_arg);
   using bench::value_or_nan;
   std::printf("anchors (nan: not available here; see docs/benchmarks.md)\n");
   row("torch Pipe: (a) CPU overhead per action", value_or_nan(pipe_anchor, "a_cpu_overhead_us"),

@@ -5,9 +5,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <string>
+#include <system_error>
+#include <vector>
 
 namespace stagewise::bench {
 
@@ -38,6 +42,63 @@ inline std::map<std::string, double> run_key_values(const std::string& command) 
 inline double value_or_nan(const std::map<std::string, double>& values, const std::string& key) {
   const auto it = values.find(key);
   return it == values.end() ? std::numeric_limits<double>::quiet_NaN() : it->second;
+}
+
+/// A Python that has `module` (e.g. torch.distributed.pipelining): "python3 " if the system's has
+/// it, else "chroot DIR python3 " for a Debian root under /var/cache/stagewise (or
+/// $STAGEWISE_PYTHON_ROOT) that has it; "" if none. `root` receives DIR ("" for the system).
+inline std::string python_with(const std::string& module, std::string& root) {
+  const std::string probe = " -c 'import " + module + "' >/dev/null 2>&1";
+  root.clear();
+  if (std::system(("/usr/bin/python3" + probe).c_str()) == 0) return "/usr/bin/python3 ";
+  std::vector<std::filesystem::path> candidates;
+  if (const char* dir = std::getenv("STAGEWISE_PYTHON_ROOT")) candidates.emplace_back(dir);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/var/cache/stagewise", ec)) {
+    candidates.push_back(e.path());
+  }
+  for (const auto& dir : candidates) {
+    if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
+    // Hold the root's lock file, if it has one, so that whoever maintains the root does not
+    // tear it down (and end the anchor's processes) meanwhile.
+    const auto lock = dir.string() + ".lock";
+    const std::string locked =
+        std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
+    const std::string chroot =
+        locked + "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
+    if (std::system((chroot + "python3" + probe).c_str()) == 0) {
+      root = dir.string();
+      return chroot + "python3 ";
+    }
+  }
+  return "";
+}
+
+/// Runs an anchor script with the Python found for `module`; inside a chroot the script and
+/// anchor_common.py are copied to the root's /tmp/stagewise_anchors first. Empty when no such
+/// Python exists. The script runs under `timeout 600`.
+inline std::map<std::string, double> run_anchor(const std::string& script,
+                                                const std::string& module,
+                                                const std::string& args) {
+  std::string root;
+  const std::string python = python_with(module, root);
+  if (python.empty()) return {};
+  std::string path = script;
+  if (!root.empty()) {
+    // The script and the helpers it imports, into the root's /tmp.
+    const auto from = std::filesystem::path(script);
+    const auto inside = std::filesystem::path("/tmp/stagewise_anchors");
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(root) / inside.relative_path(), ec);
+    for (const auto& name : {from.filename(), std::filesystem::path("anchor_common.py")}) {
+      std::filesystem::copy_file(from.parent_path() / name,
+                                 std::filesystem::path(root) / inside.relative_path() / name,
+                                 std::filesystem::copy_options::overwrite_existing, ec);
+      if (ec) return {};
+    }
+    path = (inside / from.filename()).string();
+  }
+  return run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
 }
 
 }  // namespace stagewise::bench
