@@ -44,12 +44,16 @@ struct Result {
   double max_ms = 0;
   double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
   double activation_mib = 0;  // above what was alive before the step
+  double worker_mib = 0;  // the most any one worker (a device) allocated above its own baseline
   // Bubbles as the share of the workers' time spent waiting for messages (Timeline::waiting_share)
   double bubble_measured = 0;    // from a recorded step
   double idle_measured = 0;      // all idle time of a recorded step (Timeline::bubble)
   double bubble_unit = 0;        // simulator, T_F = T_B = T_W
   double bubble_calibrated = 0;  // simulator, with the mean measured cost of each action kind
+  double bubble_replayed = 0;    // simulator, each action taking what it took in the recorded step
+  double predicted_ms = 0;       // simulator's step time, with the mean measured cost of each kind
   int cells = 0;                 // simulator: most (micro-batch, stage) cells alive at once
+  int worker_cells = 0;          // simulator: most cells alive at once on one worker
   std::map<char, double> mean_ms;
 };
 
@@ -72,6 +76,7 @@ struct Candidate {
   int stages = 0;
   std::function<void(sched::Timeline*)> step;
   std::function<sched::Simulation(const sched::Costs&)> simulate;
+  sched::Plan plan;  // what the executor runs (no recomputes: checkpoint never)
   Result result;
 };
 
@@ -89,6 +94,7 @@ Candidate candidate(const std::string& name, torch::nn::Sequential& seq, int sta
   c.simulate = [s, stages](const sched::Costs& costs) {
     return sched::simulate(s, stages, kChunks, costs);
   };
+  c.plan = sched::plan(s, stages, kChunks);
   return c;
 }
 
@@ -109,11 +115,13 @@ void measure(std::vector<Candidate>& cs, int rounds) {
     r.step_ms = ms[k][ms[k].size() / 2];
     r.min_ms = ms[k].front();
     r.max_ms = ms[k].back();
+    const auto per_thread = memory.thread_current();
     memory.reset_peak();
     const long long base = memory.current();
     c.step(nullptr);
     r.peak_mib = double(memory.peak()) / (1 << 20);
     r.activation_mib = double(memory.peak() - base) / (1 << 20);
+    r.worker_mib = double(memory.max_thread_rise(per_thread)) / (1 << 20);
     sched::Timeline timeline;
     c.step(&timeline);
     r.bubble_measured = timeline.waiting_share();
@@ -122,6 +130,8 @@ void measure(std::vector<Candidate>& cs, int rounds) {
     const auto unit = c.simulate(sched::Costs{});
     r.bubble_unit = unit.timeline.waiting_share();
     r.cells = unit.total_peak_in_flight;
+    r.worker_cells = *std::max_element(unit.worker_peak_in_flight.begin(),
+                                       unit.worker_peak_in_flight.end());
     sched::Costs costs;
     costs.forward = r.mean_ms['F'];
     if (r.mean_ms.count('I')) {
@@ -131,7 +141,16 @@ void measure(std::vector<Candidate>& cs, int rounds) {
       costs.input_grad = r.mean_ms['B'] / 2;  // only B = T_B + T_W matters here
       costs.weight_grad = r.mean_ms['B'] / 2;
     }
-    r.bubble_calibrated = c.simulate(costs).timeline.waiting_share();
+    const auto calibrated = c.simulate(costs);
+    r.bubble_calibrated = calibrated.timeline.waiting_share();
+    r.predicted_ms = calibrated.makespan();
+    // Each action as long as it took: what remains between this and the measured bubble is the
+    // executor's own (message hand-off, wake-up), not the schedule's.
+    std::map<std::string, double> took;
+    for (const auto& a : timeline.actions) took[sched::to_string(a.action)] = a.end - a.start;
+    r.bubble_replayed =
+        sched::simulate(c.plan, [&](const sched::Action& a) { return took.at(sched::to_string(a)); })
+            .timeline.waiting_share();
   }
 }
 
@@ -197,18 +216,19 @@ std::string blas() {
 }
 
 void header() {
-  std::printf("  %-24s %8s %8s %8s %9s %8s %6s | %8s %8s %8s %8s | %s\n", "schedule", "median",
-              "min", "max ms", "peak MiB", "act MiB", "cells", "sim T=1", "sim cal.", "measured",
-              "idle", "mean ms per action");
+  std::printf("  %-24s %8s %8s %8s %9s %8s %6s %8s %6s | %8s %8s %8s %8s %8s | %s\n", "schedule",
+              "median", "min", "max ms", "peak MiB", "act MiB", "cells", "wkr MiB", "w.cells",
+              "sim T=1", "sim cal.", "sim rep.", "measured", "idle", "mean ms per action");
 }
 
 void row(const std::string& name, const Result& r) {
   std::ostringstream costs;
   costs.precision(3);
   for (const auto& [k, ms] : r.mean_ms) costs << k << "=" << ms << " ";
-  std::printf("  %-24s %8.2f %8.2f %8.2f %9.2f %8.2f %6d | %8.3f %8.3f %8.3f %8.3f | %s\n",
+  std::printf("  %-24s %8.2f %8.2f %8.2f %9.2f %8.2f %6d %8.2f %6d | %8.3f %8.3f %8.3f %8.3f %8.3f | %s\n",
               name.c_str(), r.step_ms, r.min_ms, r.max_ms, r.peak_mib, r.activation_mib, r.cells,
-              r.bubble_unit, r.bubble_calibrated, r.bubble_measured, r.idle_measured,
+              r.worker_mib, r.worker_cells, r.bubble_unit, r.bubble_calibrated, r.bubble_replayed,
+              r.bubble_measured, r.idle_measured,
               costs.str().c_str());
 }
 
@@ -236,12 +256,15 @@ int main() {
   std::printf(
       "parameters %.2f MiB (+ as much for gradients); peak = all tensor memory at the step's peak, "
       "act = above what was alive before the step;\ncells = the simulator's most (micro-batch, "
-      "stage) cells alive at once over the whole pipe\n",
+      "stage) cells alive at once over the whole pipe; wkr = the most one worker (a device) "
+      "allocated above its own baseline;\nw.cells = the simulator's most cells alive at once on "
+      "one worker\n",
       params_mib);
   std::printf(
       "bubble = share of the workers' time spent waiting for a message (activation or gradient): "
       "simulator with T_F = T_B = T_W,\nsimulator fed the mean measured cost of each action kind, "
-      "measured from a recorded step; idle = all idle time of the recorded step\n");
+      "simulator fed each action's own measured duration (rep.), measured from a recorded step; "
+      "idle = all idle time of the recorded step\n");
   std::printf("cores: %u; LibTorch %s; BLAS: %s\n", std::thread::hardware_concurrency(),
               TORCH_VERSION, blas().c_str());
   std::printf("load average at start: %s\n", load().c_str());
@@ -269,14 +292,20 @@ int main() {
     std::printf("  1F1B / GPipe peak: %.3f (activations above baseline: %.3f; K/M = %.3f)\n",
                 r["one_f_one_b"].peak_mib / r["gpipe"].peak_mib,
                 r["one_f_one_b"].activation_mib / r["gpipe"].activation_mib, double(k) / kChunks);
-    std::printf("  ZB-H1 / 1F1B step time: %.3f (median), %.3f (min); peak memory: %.3f\n",
-                r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms,
-                r["zero_bubble_h1"].min_ms / r["one_f_one_b"].min_ms,
-                r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib);
-    std::printf("  ZB-V / 1F1B step time: %.3f (median), %.3f (min); peak memory: %.3f\n",
-                r["zero_bubble_v"].step_ms / r["one_f_one_b"].step_ms,
-                r["zero_bubble_v"].min_ms / r["one_f_one_b"].min_ms,
-                r["zero_bubble_v"].peak_mib / r["one_f_one_b"].peak_mib);
+    std::printf(
+        "  ZB-H1 / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
+        "costs); peak memory: %.3f in all, %.3f per worker\n",
+        r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms, r["zero_bubble_h1"].min_ms / r["one_f_one_b"].min_ms,
+        r["zero_bubble_h1"].predicted_ms / r["one_f_one_b"].predicted_ms,
+        r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib,
+        r["zero_bubble_h1"].worker_mib / r["one_f_one_b"].worker_mib);
+    std::printf(
+        "  ZB-V / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
+        "costs); peak memory: %.3f in all, %.3f per worker\n",
+        r["zero_bubble_v"].step_ms / r["one_f_one_b"].step_ms, r["zero_bubble_v"].min_ms / r["one_f_one_b"].min_ms,
+        r["zero_bubble_v"].predicted_ms / r["one_f_one_b"].predicted_ms,
+        r["zero_bubble_v"].peak_mib / r["one_f_one_b"].peak_mib,
+        r["zero_bubble_v"].worker_mib / r["one_f_one_b"].worker_mib);
   }
   {
     const auto c = split_cost(kBlocks / 2, kBatch / kChunks, 31);

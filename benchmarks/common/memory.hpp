@@ -1,7 +1,9 @@
 #pragma once
 
 // A counting CPU allocator for benchmarks: wraps LibTorch's CPU allocator and tracks the bytes of
-// tensor memory alive now and at peak. Install it once, before the tensors to be measured exist.
+// tensor memory alive now and at peak, in all and per allocating thread (a pipeline's worker
+// stands for a device: what it allocates is what its device would hold, until freed on whichever
+// thread). Install it once, before the tensors to be measured exist.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -11,8 +13,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 // `c10::Allocator::allocate` is `const` in LibTorch 1.x and not in 2.x (it was dropped in 2.3; CI
 // checks 1.13 and 2.6): the override follows the installed version.
@@ -35,11 +39,13 @@ class CountingAllocator final : public c10::Allocator {
     void* data = inner.get();
     if (data == nullptr) return inner;
     const c10::Device device = inner.device();
+    Counter* mine = this_thread();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      live_.emplace(data, Entry{std::move(inner), n});
+      live_.emplace(data, Entry{std::move(inner), n, mine});
     }
     add(static_cast<long long>(n));
+    mine->add(static_cast<long long>(n));
     return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
 
@@ -52,8 +58,34 @@ class CountingAllocator final : public c10::Allocator {
 
   long long current() const { return current_.load(); }
   long long peak() const { return peak_.load(); }
-  /// Starts a new peak measurement from what is alive now.
-  void reset_peak() { peak_.store(current_.load()); }
+  /// Starts a new peak measurement from what is alive now, in all and on every thread.
+  void reset_peak() {
+    peak_.store(current_.load());
+    std::lock_guard<std::mutex> lock(threads_mutex_);
+    for (auto& t : threads_) t.peak.store(t.current.load());
+  }
+
+  /// Bytes alive now that each thread allocated (one entry per thread that ever allocated, in
+  /// the order they first did; a thread that exited keeps its entry).
+  std::vector<long long> thread_current() const {
+    std::lock_guard<std::mutex> lock(threads_mutex_);
+    std::vector<long long> out;
+    for (const auto& t : threads_) out.push_back(t.current.load());
+    return out;
+  }
+  /// The largest rise over `before` (from `thread_current()`, just before a `reset_peak()`) of
+  /// any one thread's bytes since that reset: the peak a single worker, i.e. device, added.
+  long long max_thread_rise(const std::vector<long long>& before) const {
+    std::lock_guard<std::mutex> lock(threads_mutex_);
+    long long most = 0;
+    std::size_t i = 0;
+    for (const auto& t : threads_) {
+      const long long base = i < before.size() ? before[i] : 0;
+      most = std::max(most, t.peak.load() - base);
+      ++i;
+    }
+    return most;
+  }
 
   static CountingAllocator*& instance() {
     static CountingAllocator* self = nullptr;
@@ -61,10 +93,34 @@ class CountingAllocator final : public c10::Allocator {
   }
 
  private:
+  struct Counter {
+    std::atomic<long long> current{0};
+    std::atomic<long long> peak{0};
+    void add(long long delta) {
+      const long long now = current.fetch_add(delta) + delta;
+      long long seen = peak.load();
+      while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+      }
+    }
+  };
   struct Entry {
     c10::DataPtr inner;
     std::size_t bytes;
+    Counter* owner = nullptr;
   };
+
+  // This thread's counter, made on its first allocation; counters live as long as the allocator
+  // (a deque does not move its elements), so a tensor can outlive the thread that made it.
+  Counter* this_thread() const {
+    thread_local Counter* mine = nullptr;
+    thread_local const CountingAllocator* of = nullptr;
+    if (mine == nullptr || of != this) {
+      std::lock_guard<std::mutex> lock(threads_mutex_);
+      mine = &threads_.emplace_back();
+      of = this;
+    }
+    return mine;
+  }
 
   static void release(void* data) {
     CountingAllocator* self = instance();
@@ -82,6 +138,7 @@ class CountingAllocator final : public c10::Allocator {
       self->live_.erase(it);
     }
     self->add(-static_cast<long long>(entry.bytes));
+    entry.owner->add(-static_cast<long long>(entry.bytes));
     // entry.inner frees the wrapped allocation here, outside the lock
   }
 
@@ -97,6 +154,8 @@ class CountingAllocator final : public c10::Allocator {
   mutable std::unordered_map<void*, Entry> live_;
   mutable std::atomic<long long> current_{0};
   mutable std::atomic<long long> peak_{0};
+  mutable std::mutex threads_mutex_;
+  mutable std::deque<Counter> threads_;
 };
 
 /// Installs (once) and returns the process-wide counting allocator.

@@ -328,6 +328,43 @@ TEST_SUITE("simulate") {
     CHECK(r.makespan() == doctest::Approx(2 * 1 + 2 * (5 + 2)));
   }
 
+  TEST_CASE("each action may have its own cost, e.g. the time it took in a recorded step") {
+    // 1F1B on 2 stages, 2 micro-batches, every action 1 except the second stage's first forward:
+    // worker 0 runs F0 F1 B0 B1, worker 1 runs F0 B0 F1 B1. F0@1 holds up B0@0 until 5 and B1@0
+    // until 7.
+    const auto p = sched::plan(sched::one_f_one_b{}, 2, 2);
+    auto sim = sched::simulate(p, [](const sched::Action& a) {
+      return a.kind == sched::ActionKind::forward && a.stage == 1 && a.micro == 0 ? 3.0 : 1.0;
+    });
+    CHECK(sim.makespan() == doctest::Approx(8.0));
+    std::vector<std::string> order;
+    std::vector<double> starts;
+    for (const auto& t : sim.timeline.actions) {
+      if (t.worker != 0) continue;
+      order.push_back(sched::to_string(t.action));
+      starts.push_back(t.start);
+    }
+    CHECK(order == std::vector<std::string>{"F0@0", "F1@0", "B0@0", "B1@0"});
+    CHECK(starts == std::vector<double>{0.0, 1.0, 5.0, 7.0});
+    // Fed the costs of a Costs value, it is the same simulation, action by action.
+    const auto zb = sched::plan(sched::zero_bubble_h1{}, 4, 8);
+    const sched::Costs costs{.forward = 2, .input_grad = 1, .weight_grad = 0.5};
+    auto by_kind = sched::simulate(zb, costs);
+    auto by_action = sched::simulate(zb, [&](const sched::Action& a) { return costs.of(a.kind); });
+    REQUIRE(by_kind.timeline.actions.size() == by_action.timeline.actions.size());
+    for (std::size_t i = 0; i < by_kind.timeline.actions.size(); ++i) {
+      CHECK(by_kind.timeline.actions[i].action == by_action.timeline.actions[i].action);
+      CHECK(by_kind.timeline.actions[i].start == by_action.timeline.actions[i].start);
+    }
+    CHECK(by_kind.worker_peak_in_flight == by_action.worker_peak_in_flight);
+    CHECK(contains(error_of([&] {
+                     (void)sched::simulate(p, [](const sched::Action& a) {
+                       return a.kind == sched::ActionKind::backward ? -1.0 : 1.0;
+                     });
+                   }),
+                   "the cost of B0@1 is -1; give costs of 0 or more"));
+  }
+
   TEST_CASE("the timeline keeps each worker's order and never overlaps a worker's actions") {
     auto sim = sched::simulate(sched::interleaved_one_f_one_b{2}, 8, 8);
     CHECK(sim.timeline.actions.size() == 2 * 8 * 8);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -70,18 +71,22 @@ struct Simulation {
   }
 };
 
-/// Runs a plan on a virtual clock: every worker performs its actions in order, each as soon as
-/// its worker is free and its inputs exist (the activation from the previous stage, the gradient
-/// from the next), taking `costs.of(kind)`; messages take no time.
-inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
-  for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad,
-                 ActionKind::recompute}) {
-    TORCH_CHECK(costs.of(k) >= 0.0, "stagewise::schedule::simulate: the cost of ",
-                std::string(1, static_cast<char>(k)), " is ", costs.of(k),
-                "; give costs of 0 or more");
-  }
+/// Runs a plan on a virtual clock with each action's own cost: `cost(action)` says how long that
+/// action takes (e.g. the time it took in a recorded step, to ask what the schedule alone implies
+/// for those durations). Everything else as `simulate(plan, costs)`.
+///   std::map<std::string, double> took;   // from a recorded Timeline: to_string(action) -> ms
+///   auto sim = stagewise::schedule::simulate(
+///       plan, [&](const stagewise::schedule::Action& a) { return took.at(to_string(a)); });
+template <class Cost>
+  requires std::is_invocable_r_v<double, const Cost&, const Action&>
+Simulation simulate(const Plan& plan, const Cost& cost) {
   detail::Dependencies deps(plan.stages, plan.micro_batches);
-  auto r = detail::replay(plan.programs, deps, [&](const Action& a) { return costs.of(a.kind); });
+  auto r = detail::replay(plan.programs, deps, [&](const Action& a) {
+    const double c = cost(a);
+    TORCH_CHECK(c >= 0.0, "stagewise::schedule::simulate: the cost of ", to_string(a), " is ", c,
+                "; give costs of 0 or more");
+    return c;
+  });
   TORCH_CHECK(r.complete,
               "stagewise::schedule::simulate: the plan deadlocks; build it with "
               "stagewise::schedule::plan, which verifies the schedule");
@@ -127,6 +132,19 @@ inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
     sim.total_peak_in_flight = std::max(sim.total_peak_in_flight, alive);
   }
   return sim;
+}
+
+/// Runs a plan on a virtual clock: every worker performs its actions in order, each as soon as
+/// its worker is free and its inputs exist (the activation from the previous stage, the gradient
+/// from the next), taking `costs.of(kind)`; messages take no time.
+inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
+  for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad,
+                 ActionKind::recompute}) {
+    TORCH_CHECK(costs.of(k) >= 0.0, "stagewise::schedule::simulate: the cost of ",
+                std::string(1, static_cast<char>(k)), " is ", costs.of(k),
+                "; give costs of 0 or more");
+  }
+  return simulate(plan, [&](const Action& a) { return costs.of(a.kind); });
 }
 
 /// Simulates schedule `sched` for `stages` stages and `micro_batches` micro-batches (the first
