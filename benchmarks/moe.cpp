@@ -1,9 +1,10 @@
 // moe: a mixture-of-experts block trained the standard way (experts one after another, Adam,
 // 2 intra-op threads) and the stagewise way (experts in parallel with ParallelBranches inside a
-// pipeline stage, each expert checkpointed, Adam fused into backward), on the same 2 cores.
-//   ./bazelw run -c opt //benchmarks:moe [-- --rounds N] [-- --grid]
+// pipeline stage of 4 checkpointed micro-batches, Adam fused into backward), on the same 2 cores.
+//   ./bazelw run -c opt //benchmarks:moe [-- --rounds N] [--grid] [--tokens N] [--chunks N]
+//       [--checkpoint never|always|except_last] [--pool N] [--expert-checkpoint]
 // Model: LayerNorm, router, E = 4 experts of Linear(512, 2048), GELU, Linear(2048, 512), top-2,
-// 1024 tokens per step, then a Linear(512, 512) head; MSE loss. Memory: every live CPU tensor
+// 4096 tokens per step, then a Linear(512, 512) head; MSE loss. Memory: every live CPU tensor
 // byte at the step's peak (counting allocator), parameters and Adam state included. Time: the two
 // variants alternate in rounds; min / median / max of the steps.
 //
@@ -40,7 +41,8 @@ using torch::autograd::AutogradContext;
 
 namespace {
 
-constexpr int64_t kDim = 512, kHidden = 2048, kExperts = 4, kTopK = 2, kTokens = 1024;
+constexpr int64_t kDim = 512, kHidden = 2048, kExperts = 4, kTopK = 2;
+int64_t step_tokens = 4096;  // tokens per step: --tokens N
 
 // Adds `aux` to the training loss without changing `y` (backward gives `aux` the gradient 1).
 struct AddAuxLoss : torch::autograd::Function<AddAuxLoss> {
@@ -131,9 +133,11 @@ void set_blas_threads(int n) {
 
 // How the stagewise variant runs.
 struct Config {
-  int64_t chunks = 1;
-  sw::Checkpoint mode = sw::Checkpoint::never;
-  bool checkpoint_experts = true;
+  // The default: 4 micro-batches, each checkpointed but the last (whose backward comes right
+  // after its forward), experts not checkpointed inside (the stage's recompute covers them).
+  int64_t chunks = 4;
+  sw::Checkpoint mode = sw::Checkpoint::except_last;
+  bool checkpoint_experts = false;
   bool fused = true;
   std::size_t pool = 2;  // threads running the experts (the caller included)
 
@@ -164,8 +168,8 @@ struct Variant {
     torch::manual_seed(0);
     block = MoEBlock();
     head = torch::nn::Linear(kDim, kDim);
-    x = torch::randn({kTokens, kDim});
-    y = torch::randn({kTokens, kDim});
+    x = torch::randn({step_tokens, kDim});
+    y = torch::randn({step_tokens, kDim});
     const auto options = torch::optim::AdamOptions(1e-4);
     intra_op_threads = stagewise ? 1 : 2;
     if (stagewise) {
@@ -300,9 +304,11 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = std::stoi(argv[++i]);
     if (std::strcmp(argv[i], "--grid") == 0) grid = true;
+    if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) step_tokens = std::stol(argv[++i]);
     if (std::strcmp(argv[i], "--chunks") == 0 && i + 1 < argc) cfg.chunks = std::stoi(argv[++i]);
     if (std::strcmp(argv[i], "--pool") == 0 && i + 1 < argc) cfg.pool = std::stoul(argv[++i]);
     if (std::strcmp(argv[i], "--no-expert-checkpoint") == 0) cfg.checkpoint_experts = false;
+    if (std::strcmp(argv[i], "--expert-checkpoint") == 0) cfg.checkpoint_experts = true;
     if (std::strcmp(argv[i], "--checkpoint") == 0 && i + 1 < argc) {
       const std::string m = argv[++i];
       cfg.mode = m == "always"        ? sw::Checkpoint::always
@@ -316,7 +322,7 @@ int main(int argc, char** argv) {
   bench::counting_allocator();  // before any tensor exists
 
   std::printf("moe: %ld experts of Linear(%ld, %ld), GELU, Linear(%ld, %ld), top-%ld, %ld tokens\n",
-              kExperts, kDim, kHidden, kHidden, kDim, kTopK, kTokens);
+              kExperts, kDim, kHidden, kHidden, kDim, kTopK, step_tokens);
   std::printf("cores %u, load average at start %s, LibTorch %s, BLAS %s\n",
               std::thread::hardware_concurrency(), load_average().c_str(), TORCH_VERSION,
               blas_in_use().c_str());
