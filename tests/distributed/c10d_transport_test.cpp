@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace rt = stagewise::runtime;
@@ -104,6 +105,18 @@ TEST_SUITE("c10d transport") {
               check_sample(t.recv({MessageKind::activation, 1, m}).value(), m);
             t.send({MessageKind::gradient, 0, 1}, {{sample(1).tensors[0] * 2}, true});
           }
+          // Only messages between ranks count, with their tensors' bytes: 56 + 24 + 120 bytes of
+          // activations from rank 0, a 24-byte gradient back; the local skip moves nothing.
+          const auto traffic = t.traffic();
+          const auto [sent, sent_bytes, received, received_bytes] =
+              rank == 0 ? std::tuple{3, 200, 1, 24} : std::tuple{1, 24, 3, 200};
+          expect(traffic.messages_sent == sent && traffic.bytes_sent == sent_bytes &&
+                     traffic.messages_received == received &&
+                     traffic.bytes_received == received_bytes,
+                 "traffic " + std::to_string(traffic.messages_sent) + "/" +
+                     std::to_string(traffic.bytes_sent) + " sent, " +
+                     std::to_string(traffic.messages_received) + "/" +
+                     std::to_string(traffic.bytes_received) + " received");
         },
         60s);
     for (int k = 0; k < 2; ++k) {

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace sw = stagewise;
@@ -210,6 +211,45 @@ TEST_SUITE("distributed pipe") {
                       true, true);
         },
         240s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
+
+  TEST_CASE("traffic counts the messages and tensor bytes that cross ranks, skips included") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          // [Linear(6,8), Stash, Linear, Tanh] on rank 0, [Linear, Tanh, Pop, Linear(8,3)] on
+          // rank 1; 10 rows in 4 micro-batches. Each direction carries 10 rows of 8 floats as
+          // activations (gradients) and 10 more as the skip (its gradient): 8 messages, 640 bytes.
+          sw::distributed::Pipe pipe(
+              c, dp::model(true), sw::balance{4, 4}, sw::PipeOptions().chunks(4),
+              sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("traffic")));
+          const auto none = pipe.traffic();
+          dp::expect(none.messages_sent == 0 && none.bytes_sent == 0 &&
+                         none.messages_received == 0 && none.bytes_received == 0,
+                     "traffic before any step is not zero");
+          auto [x, y] = dp::batch(0);
+          for (int step = 1; step <= 2; ++step) {
+            pipe.train_step(rank == 0 ? x : torch::Tensor(), rank == 1 ? y : torch::Tensor(),
+                            dp::mse, sched::one_f_one_b{});
+            const auto t = pipe.traffic();
+            for (auto [what, got, want] :
+                 {std::tuple{"messages sent", t.messages_sent, 8 * step},
+                  std::tuple{"bytes sent", t.bytes_sent, 640 * step},
+                  std::tuple{"messages received", t.messages_received, 8 * step},
+                  std::tuple{"bytes received", t.bytes_received, 640 * step}}) {
+              dp::expect(got == want, std::string(what) + " after step " + std::to_string(step) +
+                                          ": " + std::to_string(got) + ", want " +
+                                          std::to_string(want));
+            }
+          }
+        },
+        60s);
     for (int k = 0; k < 2; ++k) {
       CAPTURE(k);
       CHECK(r[static_cast<std::size_t>(k)].text == "");

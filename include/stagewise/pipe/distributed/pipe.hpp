@@ -210,6 +210,13 @@ class Pipe {
     }
     return out;
   }
+  /// The messages and tensor bytes this rank exchanged with the other ranks since the pipe was
+  /// built (activations, gradients and skips; messages between this rank's own stages move
+  /// nothing and are not counted).
+  ///   const auto before = pipe.traffic();
+  ///   pipe.train_step(x, y, loss_fn);
+  ///   const auto sent = pipe.traffic().bytes_sent - before.bytes_sent;
+  runtime::C10dTraffic traffic() const { return transport_->traffic(); }
   /// This rank's stage modules, in stage order.
   const std::vector<std::shared_ptr<torch::nn::Module>>& modules() const { return modules_; }
   /// Train or eval mode for this rank's stages (checkpointing runs only in training).

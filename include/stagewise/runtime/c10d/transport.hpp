@@ -64,6 +64,19 @@ struct C10dOptions {
   std::string prefix_{"stagewise"};
 };
 
+/// What one rank exchanged with the other ranks: messages and the bytes of their tensors' data.
+/// Message headers (a few dozen bytes each) are not counted, nor are messages between stages
+/// of the same rank, which move no bytes.
+///   auto t = pipe.traffic();  // distributed::Pipe, cumulative since it was built
+///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
+///               (long long)t.messages_sent);
+struct C10dTraffic {
+  std::int64_t messages_sent = 0;
+  std::int64_t bytes_sent = 0;
+  std::int64_t messages_received = 0;
+  std::int64_t bytes_received = 0;
+};
+
 namespace detail {
 
 inline std::string describe(const MessageKey& k) {
@@ -161,6 +174,13 @@ class C10dTransport {
   /// This process's rank.
   int rank() const { return group_.rank(); }
 
+  /// The messages and tensor bytes this rank sent to and received from other ranks since the
+  /// transport was built (each message counted once it is sent, or once it has fully arrived).
+  C10dTraffic traffic() const {
+    return {messages_sent_.load(), bytes_sent_.load(), messages_received_.load(),
+            bytes_received_.load()};
+  }
+
   /// Starts a training step of `stages` stages, `micro_batches` micro-batches and `skips` skip
   /// routes: messages of different steps never match, and messages between stages of this
   /// process go through a MailboxTransport made for the step. Call it on every rank, before
@@ -237,9 +257,11 @@ class C10dTransport {
                         .contiguous()
                         .to(options_.device_));
     }
+    std::int64_t bytes = 0;
     for (const auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
         out.push_back(t.detach().to(options_.device_).contiguous());
+        bytes += static_cast<std::int64_t>(out.back().nbytes());
       }
     }
     // One thread posts a message's sends in order: Gloo matches one tag's messages in order.
@@ -258,6 +280,8 @@ class C10dTransport {
       if (stopped_) work->abort();
       sends_.push_back({std::move(work), dst, k});
     }
+    ++messages_sent_;
+    bytes_sent_ += bytes;
     wake_.notify_all();
   }
 
@@ -352,9 +376,15 @@ class C10dTransport {
       }
     }
     Message m = detail::decode_header(words, options_.device_);
+    std::int64_t bytes = 0;
     for (auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0 && !receive(t, src, tag, k)) return std::nullopt;
+      if (t.defined() && t.numel() > 0) {
+        if (!receive(t, src, tag, k)) return std::nullopt;
+        bytes += static_cast<std::int64_t>(t.nbytes());
+      }
     }
+    ++messages_received_;
+    bytes_received_ += bytes;
     return m;
   }
 
@@ -686,6 +716,8 @@ class C10dTransport {
   C10dOptions options_;
   std::string abort_key_;
   std::atomic<std::int64_t> step_{0};
+  std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
+  std::atomic<std::int64_t> messages_received_{0}, bytes_received_{0};
   bool begun_ = false;
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
