@@ -69,9 +69,12 @@ inline std::filesystem::path fetch_openblas(const std::filesystem::path& root) {
 
 /// Selects the BLAS for this run from `--blas=openblas|system` (or STAGEWISE_BLAS; the flag
 /// wins). For "openblas" it fetches OpenBLAS if needed and re-executes the program with
-/// LD_LIBRARY_PATH pointing at it and OPENBLAS_NUM_THREADS=1 (one BLAS thread per worker; set the
-/// variable yourself to change that); after the re-execution it checks that OpenBLAS is what got
-/// loaded. Call it first thing in main, before any LibTorch work. Returns the selected name.
+/// LD_LIBRARY_PATH pointing at it, OPENBLAS_NUM_THREADS=1 (one BLAS thread per worker) and
+/// OPENBLAS_THREAD_TIMEOUT=4 (set either yourself to change it); after the re-execution it checks
+/// that OpenBLAS is what got loaded. The timeout matters for fair comparisons: by default an idle
+/// OpenBLAS thread spins for 2^28 cycles (about 0.1 s) after each multi-threaded call, so a
+/// variant that runs after a "2 BLAS threads" variant would share its cores with a spinning
+/// thread; with 4 (2^4 cycles, OpenBLAS's minimum) idle threads sleep at once. Call it first thing in main, before any LibTorch work. Returns the selected name.
 ///   int main(int argc, char** argv) { select_blas(argc, argv); ... }
 inline std::string select_blas(int argc, char** argv) {
   std::string mode;
@@ -96,6 +99,7 @@ inline std::string select_blas(int argc, char** argv) {
   if (const char* old = std::getenv("LD_LIBRARY_PATH"); old && *old) path += ":" + std::string(old);
   setenv("LD_LIBRARY_PATH", path.c_str(), 1);
   setenv("OPENBLAS_NUM_THREADS", "1", 0);
+  setenv("OPENBLAS_THREAD_TIMEOUT", "4", 0);
   setenv("STAGEWISE_BLAS_REEXECUTED", "1", 1);
   std::fflush(nullptr);
   execv("/proc/self/exe", argv);

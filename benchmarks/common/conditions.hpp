@@ -83,13 +83,16 @@ class Conditions {
     CPU_ZERO(&mask);
     sched_getaffinity(0, sizeof mask, &mask);
     const char* openblas_threads = std::getenv("OPENBLAS_NUM_THREADS");
+    const char* openblas_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
     std::fprintf(out_,
                  "# conditions: benchmark=%s date=%s cores=%u usable_cores=%d load_start=%.2f "
-                 "libtorch=%d.%d.%d blas=%s intra_op_threads=%d openblas_num_threads=%s\n",
+                 "libtorch=%d.%d.%d blas=%s intra_op_threads=%d openblas_num_threads=%s "
+                 "openblas_thread_timeout=%s\n",
                  name.c_str(), date, std::thread::hardware_concurrency(), CPU_COUNT(&mask),
                  load_average_1min(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
                  loaded_blas().c_str(), at::get_num_threads(),
-                 openblas_threads ? openblas_threads : "unset");
+                 openblas_threads ? openblas_threads : "unset",
+                 openblas_timeout ? openblas_timeout : "unset");
   }
 
   /// Prints the load average at the end.
