@@ -13,14 +13,12 @@
 
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/key_values.hpp"
 #include "benchmarks/common/rounds.hpp"
 #include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -95,27 +93,13 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
   ::_exit(code);
 }
 
-// A port nobody listens on now: the kernel's choice for port 0 on loopback.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  TORCH_CHECK(fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0,
-              "distributed_cpu: no free port on loopback");
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   namespace bench = sw::bench;
   bench::select_blas(argc, argv);  // may re-execute this program: before the ranks are forked
   // Fork the ranks first, while this process has one thread.
-  const int port = free_port();
+  const int port = bench::free_loopback_port("distributed_cpu");
   int commands[2][2], answers[2];
   std::vector<pid_t> ranks;
   TORCH_CHECK(::pipe(answers) == 0, "distributed_cpu: pipe() failed");

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/memory.hpp"
 #include "benchmarks/common/rounds.hpp"
 
@@ -22,10 +23,6 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
@@ -223,20 +220,6 @@ struct RankResult {
   ::_exit(code);
 }
 
-// A port nobody listens on now: the kernel's choice for port 0 on loopback.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  TORCH_CHECK(fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0,
-              "skip_memory: no free port on loopback");
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Forks the ranks (call while this process has one thread), collects their 2 results each within
 // `limit`, and reaps them, killing any that are still there. Results indexed [path][rank]; a
 // rank that failed leaves its entries at nan.
@@ -247,7 +230,7 @@ std::array<std::array<RankResult, kRanks>, 2> run_ranks(std::chrono::seconds lim
   }
   int fds[2];
   TORCH_CHECK(::pipe(fds) == 0, "skip_memory: pipe() failed");
-  const int port = free_port();
+  const int port = sw::bench::free_loopback_port("skip_memory");
   std::vector<pid_t> pids;
   for (int r = 0; r < kRanks; ++r) {
     const pid_t pid = ::fork();
