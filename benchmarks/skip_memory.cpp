@@ -139,7 +139,8 @@ struct DecoderStageImpl : torch::nn::Module {
     return head(merge_of(u1, h, s1));
   }
   torch::nn::Conv2d u1 = register_module("u1", conv3(32 + 32, 16));
-  torch::nn::Conv2d head = register_module("head", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 1, 1)));
+  torch::nn::Conv2d head =
+      register_module("head", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 1, 1)));
 };
 TORCH_MODULE(DecoderStage);
 
@@ -159,7 +160,6 @@ struct RankResult {
   int path = 0;  // 0 portals, 1 tuples
   double peak_mib = 0;
   long long bytes_sent = 0;
-  long long messages_sent = 0;
   double loss = 0;
 };
 
@@ -188,8 +188,9 @@ struct RankResult {
           sw::distributed::Options().transport(
               sw::runtime::C10dOptions().prefix(path == 0 ? "portals" : "tuples").timeout(120s)));
       auto step = [&] {
-        return pipe.train_step(rank == 0 ? x : Tensor(), rank == kRanks - 1 ? target : Tensor(),
-                               [](const Tensor& o, const Tensor& t) { return torch::mse_loss(o, t); });
+        return pipe.train_step(
+            rank == 0 ? x : Tensor(), rank == kRanks - 1 ? target : Tensor(),
+            [](const Tensor& o, const Tensor& t) { return torch::mse_loss(o, t); });
       };
       step();  // warm-up: gradients exist from here on
       memory.reset_peak();
@@ -202,7 +203,6 @@ struct RankResult {
       r.path = path;
       r.peak_mib = double(memory.peak() - base) / (1 << 20);
       r.bytes_sent = after.bytes_sent - before.bytes_sent;
-      r.messages_sent = after.messages_sent - before.messages_sent;
       r.loss = loss.item<double>();
       TORCH_CHECK(::write(results, &r, sizeof r) == sizeof r, "skip_memory: rank ", rank,
                   " could not report");

@@ -74,7 +74,8 @@ inline std::filesystem::path fetch_openblas(const std::filesystem::path& root) {
 /// that OpenBLAS is what got loaded. The timeout matters for fair comparisons: by default an idle
 /// OpenBLAS thread spins for 2^28 cycles (about 0.1 s) after each multi-threaded call, so a
 /// variant that runs after a "2 BLAS threads" variant would share its cores with a spinning
-/// thread; with 4 (2^4 cycles, OpenBLAS's minimum) idle threads sleep at once. Call it first thing in main, before any LibTorch work. Returns the selected name.
+/// thread; with 4 (2^4 cycles, OpenBLAS's minimum) idle threads sleep at once. Call it first
+/// thing in main, before any LibTorch work. Returns the selected name.
 ///   int main(int argc, char** argv) { select_blas(argc, argv); ... }
 inline std::string select_blas(int argc, char** argv) {
   std::string mode;
