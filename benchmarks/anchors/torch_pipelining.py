@@ -13,7 +13,10 @@ Prints `key=value` lines (pipe_cpu reads a_* and d_*; torch_pipelining_* are the
 under the names //benchmarks:distributed_cpu reads), all nan where the module is missing. Needs
 USE_LIBUV=0 with Debian 13's torch (built without libuv), which it sets.
 
-    python3 benchmarks/anchors/torch_pipelining.py [--rounds 7] [--timeout 600]"""
+    python3 benchmarks/anchors/torch_pipelining.py [--rounds 7] [--timeout 600] [--configs a,d]
+        [--no-one-f-one-b]
+//benchmarks:distributed_cpu needs only configuration d's GPipe step: `--configs d
+--no-one-f-one-b`."""
 
 import argparse
 import multiprocessing
@@ -181,7 +184,16 @@ def main():
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds for each GPipe configuration")
     parser.add_argument("--one-f-one-b-timeout", type=float, default=60.0)
+    parser.add_argument("--configs", default="a,d",
+                        help="comma-separated GPipe configurations to run, of a and d")
+    parser.add_argument("--no-one-f-one-b", action="store_true",
+                        help="skip the Schedule1F1B run (reported as nan)")
     args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in ("a", "d")]
+    if unknown or not configs:
+        parser.error(f"--configs {args.configs!r}: each configuration must be a or d, "
+                     "comma-separated (e.g. --configs d)")
     try:
         import torch.distributed.pipelining  # noqa: F401
     except Exception as e:  # PyTorch < 2.4 has no torch.distributed.pipelining
@@ -189,14 +201,18 @@ def main():
         return 0
     out, reason = {}, ""
     for config, world in (("a", 4), ("d", 2)):
+        if config not in configs:
+            continue
         results, finished = launch(world, config, "gpipe", args.rounds, timeout_s=args.timeout)
         if finished:
             out.update(results)
         else:
             reason = f"configuration {config}: no result within {args.timeout:.0f} s or a rank failed"
-    results, finished = launch(2, "d", "one_f_one_b", 1, timeout_s=args.one_f_one_b_timeout)
-    out["d_one_f_one_b_finished"] = 1 if finished else 0
-    out.update(results)
+    if not args.no_one_f_one_b:
+        results, finished = launch(2, "d", "one_f_one_b", 1,
+                                   timeout_s=args.one_f_one_b_timeout)
+        out["d_one_f_one_b_finished"] = 1 if finished else 0
+        out.update(results)
     print_results(out, reason)
     print(f"torch_version {torch.__version__}")
     print(f"blas {loaded_blas()}")
