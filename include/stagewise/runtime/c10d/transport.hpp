@@ -2,6 +2,9 @@
 
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/header.hpp"
+#include "stagewise/runtime/c10d/keys.hpp"
+#include "stagewise/runtime/c10d/options.hpp"
+#include "stagewise/runtime/c10d/receiver.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/transport.hpp"
@@ -10,114 +13,24 @@
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/types.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace stagewise::runtime {
-
-/// Options of the c10d transport.
-///   stagewise::runtime::C10dOptions().timeout(std::chrono::seconds(5))
-struct C10dOptions {
-  /// The longest a receive waits before the job is declared stuck (every rank then fails); also
-  /// how long a finished rank waits for its last sends to be received. Default 30 s.
-  C10dOptions& timeout(std::chrono::milliseconds t) {
-    timeout_ = t;
-    return *this;
-  }
-  /// How often each rank looks for another rank's failure in the store. Default 100 ms.
-  C10dOptions& poll(std::chrono::milliseconds p) {
-    poll_ = p;
-    return *this;
-  }
-  /// Where received tensors are allocated: CPU for Gloo, this rank's GPU for NCCL.
-  C10dOptions& device(torch::Device d) {
-    device_ = d;
-    return *this;
-  }
-  /// Store keys of this transport start with it; two pipes sharing a store need different ones.
-  C10dOptions& prefix(std::string p) {
-    prefix_ = std::move(p);
-    return *this;
-  }
-
-  std::chrono::milliseconds timeout_{30000};
-  std::chrono::milliseconds poll_{100};
-  torch::Device device_{torch::kCPU};
-  std::string prefix_{"stagewise"};
-};
-
-/// What one rank exchanged with the other ranks: messages and the bytes of their tensors' data.
-/// Message headers (a few dozen bytes each) are not counted, nor are messages between stages
-/// of the same rank, which move no bytes.
-///   auto t = pipe.traffic();  // distributed::Pipe, cumulative since it was built
-///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
-///               (long long)t.messages_sent);
-struct C10dTraffic {
-  std::int64_t messages_sent = 0;
-  std::int64_t bytes_sent = 0;
-  std::int64_t messages_received = 0;
-  std::int64_t bytes_received = 0;
-};
-
-namespace detail {
-
-inline std::string describe(const MessageKey& k) {
-  const char* what = k.kind == MessageKind::activation ? "the activation"
-                     : k.kind == MessageKind::gradient ? "the gradient"
-                     : k.kind == MessageKind::skip     ? "skip"
-                                                       : "the gradient of skip";
-  const bool skip = k.kind == MessageKind::skip || k.kind == MessageKind::skip_grad;
-  return std::string(what) + (skip ? " " + std::to_string(k.skip) : "") + " of micro-batch " +
-         std::to_string(k.micro) + " for stage " + std::to_string(k.stage);
-}
-
-}  // namespace detail
-
-/// The messages worker `w` receives from other workers in a step, in the order it receives
-/// them: what `C10dTransport::expect` posts ahead.
-///   t.expect(receives_of(schedule::comms(plan, routes), t.rank()));
-inline std::vector<MessageKey> receives_of(const schedule::CommPlan& c, int w) {
-  std::vector<MessageKey> keys;
-  for (const auto& step : c.programs.at(static_cast<std::size_t>(w))) {
-    const auto& t = step.transfer;
-    if (step.send || c.worker_of(t.from) == w) continue;
-    MessageKind kind = MessageKind::activation;
-    switch (t.kind) {
-      case schedule::TransferKind::activation:
-        kind = MessageKind::activation;
-        break;
-      case schedule::TransferKind::gradient:
-        kind = MessageKind::gradient;
-        break;
-      case schedule::TransferKind::skip:
-        kind = MessageKind::skip;
-        break;
-      case schedule::TransferKind::skip_grad:
-        kind = MessageKind::skip_grad;
-        break;
-    }
-    keys.push_back(MessageKey{kind, t.to, t.micro, t.skip});
-  }
-  return keys;
-}
 
 /// Moves messages between the stages of a pipeline whose stages live in several processes:
 /// to a stage of this process through the step's MailboxTransport, to another rank over c10d
@@ -136,18 +49,15 @@ inline std::vector<MessageKey> receives_of(const schedule::CommPlan& c, int w) {
 ///   stagewise::runtime::C10dTransport t(c, [](int stage) { return stage % 2; }, {});
 ///   t.begin_step(2, 8, 0);
 ///   t.send({MessageKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
-class C10dTransport {
+class C10dTransport : private detail::C10dReceiver {
  public:
   /// `rank_of(stage)` places stages on ranks (the plan's `worker_of`); `routes[i]` is skip i's
   /// stash and pop stage, so that a skip's receiver knows where it comes from.
   C10dTransport(const Connection& c, std::function<int(int)> rank_of,
                 std::vector<schedule::SkipRoute> routes = {}, C10dOptions options = {})
-      : group_(c.group),
-        store_(c.store),
+      : detail::C10dReceiver(c, std::move(options)),
         rank_of_(std::move(rank_of)),
-        routes_(std::move(routes)),
-        options_(std::move(options)),
-        abort_key_(options_.prefix_ + "/abort") {
+        routes_(std::move(routes)) {
     watchdog_ = std::thread([this] { watch(); });
     reaper_ = std::thread([this] { reap(); });
     receiver_ = std::thread([this] { receive_ahead(); });
@@ -323,138 +233,11 @@ class C10dTransport {
   }
 
  private:
-  struct Pending {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer = 0;
-    MessageKey key;
-  };
-  struct Waiting {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer = 0;
-    MessageKey key;
-    std::chrono::steady_clock::time_point deadline;
-  };
-  // A message whose header receive was posted ahead (by `expect`).
-  struct Ahead {
-    MessageKey key;
-    int src = 0;
-    int tag = 0;
-    torch::Tensor header;
-    std::uint64_t id = 0;  // the header's receive, in waiting_
-  };
-  // What the receiver thread got for an expected message.
-  struct Arrival {
-    bool done = false;
-    std::optional<Message> message;  // nothing: this rank aborted
-    std::exception_ptr error;
-  };
-
-  // Throws a copy of the failure `e`: each thread that learns of it gets its own exception
-  // object, to which the executor may add its cell as context without touching the others'.
-  [[noreturn]] static void throw_copy(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const c10::Error& x) {
-      throw c10::Error(x);
-    }
-  }
-
-  // The rest of a message whose fixed header `fixed` has arrived: the header's tail, then the
-  // tensors. Nothing once this process aborted.
-  std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
-                                      const MessageKey& k) {
-    std::vector<std::int64_t> words;
-    {
-      auto cpu = fixed.cpu();
-      const auto rest = detail::header_rest(cpu);
-      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
-      if (rest > 0) {
-        auto more = torch::empty({rest}, fixed.options());
-        if (!receive(more, src, tag, k)) return std::nullopt;
-        auto m = more.cpu();
-        words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
-      }
-    }
-    Message m = detail::decode_header(words, options_.device_);
-    std::int64_t bytes = 0;
-    for (auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0) {
-        if (!receive(t, src, tag, k)) return std::nullopt;
-        bytes += static_cast<std::int64_t>(t.nbytes());
-      }
-    }
-    ++messages_received_;
-    bytes_received_ += bytes;
-    return m;
-  }
-
-  // Waits for expected message `k` (from rank `src`), completed by the receiver thread;
-  // `expected` false when `k` was not expected this step (then nothing was waited for). The
-  // wait is bounded by the timeout from the moment this rank needs the message.
-  std::optional<Message> take_ahead(const MessageKey& k, int src, bool& expected) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    auto it = arrivals_.find(k);
-    expected = it != arrivals_.end();
-    if (!expected) return std::nullopt;
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout_;
-    while (true) {
-      it = arrivals_.find(k);
-      if (it->second.done) {
-        Arrival a = std::move(it->second);
-        arrivals_.erase(it);
-        lock.unlock();
-        if (a.error) std::rethrow_exception(a.error);
-        return std::move(a.message);
-      }
-      if (failure_ && !aborted_here_) throw_copy(failure_);
-      if (aborted_here_) return std::nullopt;
-      if (wake_.wait_until(lock, deadline) == std::cv_status::timeout &&
-          !arrivals_.find(k)->second.done) {
-        const std::string stuck =
-            "rank " + std::to_string(rank()) + " waited more than " +
-            std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(k) +
-            " from rank " + std::to_string(src) + "; that rank is stuck or slower than " +
-            "the timeout (raise C10dOptions::timeout if its stage is just slow)";
-        lock.unlock();
-        publish(stuck);
-        fail(stuck);
-        lock.lock();
-      }
-    }
-  }
-
-  // Background: completes the messages posted ahead, in order, and hands them to take_ahead.
-  void receive_ahead() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      wake_.wait(lock, [&] { return closing_ || !ahead_.empty(); });
-      if (ahead_.empty()) return;
-      Ahead a = std::move(ahead_.front());
-      ahead_.pop_front();
-      lock.unlock();
-      Arrival got;
-      got.done = true;
-      try {
-        if (await(a.id, a.src, a.key)) got.message = receive_rest(a.header, a.src, a.tag, a.key);
-      } catch (...) {
-        got.error = std::current_exception();
-      }
-      lock.lock();
-      arrivals_[a.key] = std::move(got);
-      wake_.notify_all();
-    }
-  }
-
   MailboxTransport& local() {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(local_ != nullptr, "stagewise::C10dTransport: call begin_step(stages, ",
                 "micro_batches, skips) before a step's messages");
     return *local_;
-  }
-
-  void abort_local(std::exception_ptr e) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (local_) local_->abort(e);
   }
 
   int source_stage(const MessageKey& k) const {
@@ -488,253 +271,10 @@ class C10dTransport {
            (k.skip + 1);
   }
 
-  // Receives into `t`; false once aborted here; throws the failure otherwise.
-  bool receive(torch::Tensor& t, int src, int tag, const MessageKey& k) {
-    auto id = post(t, src, tag, k, std::chrono::steady_clock::now() + options_.timeout_);
-    return id && await(*id, src, k);
-  }
-
-  // Posts a receive into `t`, which the watchdog fails after `deadline`; its id in waiting_, or
-  // nothing once aborted here; throws the failure otherwise.
-  std::optional<std::uint64_t> post(const torch::Tensor& t, int src, int tag, const MessageKey& k,
-                                    std::chrono::steady_clock::time_point deadline) {
-    std::vector<at::Tensor> in{t};
-    rethrow_failure();
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      // Posts are serialised with the sends: a process group's calls may share state.
-      std::lock_guard<std::mutex> posting(post_);
-      work = group_.recv(in, src, tag);
-    } catch (const std::exception& e) {
-      if (aborted_here()) return std::nullopt;
-      fail_peer(src, k, e);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    const std::uint64_t id = next_id_++;
-    waiting_.emplace(id, Waiting{work, src, k, deadline});
-    if (stopped_) work->abort();
-    return id;
-  }
-
-  // Waits for the receive `id` posted from rank `src`; false once aborted here.
-  bool await(std::uint64_t id, int src, const MessageKey& k) {
-    c10::intrusive_ptr<c10d::Work> work;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      work = waiting_.at(id).work;
-    }
-    bool done = false;
-    try {
-      done = work->wait();
-    } catch (const std::exception& e) {
-      forget(id);
-      if (aborted_here()) return false;
-      fail_peer(src, k, e);
-    }
-    forget(id);
-    if (!done) rethrow_failure();
-    return done;
-  }
-
-  void forget(std::uint64_t id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    waiting_.erase(id);
-  }
-
-  // Throws the failure learnt here, unless this rank aborted first (its receivers then return
-  // nothing and the executor reports its own error).
-  void rethrow_failure() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_ && !aborted_here_) throw_copy(failure_);
-  }
-
-  bool aborted_here() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return aborted_here_;
-  }
-
-  // A connection to `peer` broke while this rank waited on it: the peer died or stopped.
-  [[noreturn]] void fail_peer(int peer, const MessageKey& k, const std::exception& e) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) throw_copy(failure_);
-    }
-    // A rank that failed published why before it exited: that is the cause to report. The
-    // closed connection can be seen here before the store answers with it, so look a few times.
-    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll_,
-                                                                   std::chrono::milliseconds(300));
-    while (true) {
-      if (auto published = read_published()) {
-        fail(*published);
-        rethrow_failure();
-      }
-      if (std::chrono::steady_clock::now() > until) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    const std::string what = "rank " + std::to_string(peer) + " is gone: its connection closed " +
-                             "while rank " + std::to_string(rank()) + " exchanged " +
-                             detail::describe(k) + " with it; it crashed, was killed, or exited " +
-                             "early (see its output). Transport error: " + detail::what_of(e);
-    publish(what);
-    fail(what);
-    rethrow_failure();
-    TORCH_CHECK(false, "stagewise: ", what);
-  }
-
-  // Records a failure seen or learnt here and cancels every pending transfer.
-  void fail(const std::string& what) {
-    std::exception_ptr failure;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (aborted_here_) return;
-      if (!failure_) {
-        try {
-          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", rank(), " stops too.");
-        } catch (...) {
-          failure_ = std::current_exception();
-        }
-      }
-      failure = failure_;
-      stopped_ = true;
-      abort_works_locked();
-    }
-    wake_.notify_all();
-    abort_local(failure);
-  }
-
-  // Tells the other ranks (first writer wins); the store may be gone already.
-  void publish(const std::string& what) {
-    try {
-      const std::vector<std::uint8_t> value(what.begin(), what.end());
-      store_->compareSet(abort_key_, {}, value);
-    } catch (...) {
-    }
-  }
-
-  // What a failed rank wrote to the store, if anything (the store may be gone).
-  std::optional<std::string> read_published() {
-    try {
-      if (store_->check({abort_key_})) {
-        const auto v = store_->get(abort_key_);
-        return std::string(v.begin(), v.end());
-      }
-    } catch (...) {
-    }
-    return std::nullopt;
-  }
-
-  void abort_works_locked() {
-    for (auto& [id, w] : waiting_) w.work->abort();
-    for (auto& s : sends_) s.work->abort();
-  }
-
-  // Background: another rank's failure in the store, and receives past their deadline.
-  void watch() {
-    bool store_ok = true;
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!closing_) {
-      wake_.wait_for(lock, options_.poll_);
-      if (closing_ || stopped_) continue;
-      std::string stuck;
-      const auto now = std::chrono::steady_clock::now();
-      for (const auto& [id, w] : waiting_) {
-        if (now > w.deadline) {
-          stuck = "rank " + std::to_string(rank()) + " waited more than " +
-                  std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(w.key) +
-                  " from rank " + std::to_string(w.peer) + "; that rank is stuck or slower than " +
-                  "the timeout (raise C10dOptions::timeout if its stage is just slow)";
-          break;
-        }
-      }
-      if (!stuck.empty()) {
-        lock.unlock();
-        publish(stuck);
-        fail(stuck);
-        lock.lock();
-        continue;
-      }
-      if (!store_ok) continue;
-      lock.unlock();
-      std::optional<std::string> published;
-      try {
-        if (store_->check({abort_key_})) {
-          const auto v = store_->get(abort_key_);
-          published.emplace(v.begin(), v.end());
-        }
-      } catch (...) {
-        // Rank 0, which serves the store, has exited; if it died, the Gloo connections to it
-        // fail the receives that wait on it, and the deadline bounds the others.
-        store_ok = false;
-      }
-      if (published) fail(*published);
-      lock.lock();
-    }
-  }
-
-  // Background: completes this rank's sends in order, so their tensors are freed early.
-  void reap() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      wake_.wait(lock, [&] { return closing_ || !sends_.empty(); });
-      if (sends_.empty()) return;
-      Pending p = sends_.front();
-      sending_ = true;
-      lock.unlock();
-      std::optional<std::string> broken;
-      try {
-        p.work->wait();
-      } catch (const std::exception& e) {
-        broken = detail::what_of(e);
-      }
-      lock.lock();
-      sends_.pop_front();
-      sending_ = false;
-      if (broken && !stopped_) {
-        const std::string what = "rank " + std::to_string(p.peer) +
-                                 " is gone: its connection closed while rank " +
-                                 std::to_string(rank()) + " sent it " + detail::describe(p.key) +
-                                 "; it crashed, was killed, or exited early (see its output). "
-                                 "Transport error: " +
-                                 *broken;
-        lock.unlock();
-        if (auto published = read_published()) {
-          fail(*published);
-        } else {
-          publish(what);
-          fail(what);
-        }
-        lock.lock();
-      }
-      idle_.notify_all();
-    }
-  }
-
-  PointToPoint group_;
-  c10::intrusive_ptr<c10d::Store> store_;
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;
-  C10dOptions options_;
-  std::string abort_key_;
   std::atomic<std::int64_t> step_{0};
-  std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
-  std::atomic<std::int64_t> messages_received_{0}, bytes_received_{0};
   bool begun_ = false;
-  std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
-
-  std::mutex post_;   // one message's sends go out together
-  std::mutex mutex_;  // everything below
-  std::condition_variable wake_;
-  std::condition_variable idle_;
-  std::deque<Pending> sends_;
-  bool sending_ = false;
-  std::map<std::uint64_t, Waiting> waiting_;
-  std::uint64_t next_id_ = 0;
-  bool stopped_ = false;       // no more transfers: failure, abort here, or closing
-  bool aborted_here_ = false;  // abort() was called on this rank
-  bool closing_ = false;
-  std::exception_ptr failure_;
-  std::deque<Ahead> ahead_;                              // posted ahead, not yet received
-  std::unordered_map<MessageKey, Arrival> arrivals_;     // expected this step, by key
   std::thread watchdog_;
   std::thread reaper_;
   std::thread receiver_;

@@ -1,0 +1,262 @@
+#pragma once
+
+#include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/keys.hpp"
+#include "stagewise/runtime/c10d/options.hpp"
+#include "stagewise/runtime/mailbox_transport.hpp"
+#include "stagewise/runtime/message.hpp"
+
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace stagewise::runtime::detail {
+
+// The state C10dTransport's threads share, under one mutex (its pending transfers, its failure,
+// this step's MailboxTransport), and how a failure spreads: to the store for the other ranks, to
+// every pending transfer and to the local mailbox. The watchdog (`watch`) and the reaper (`reap`)
+// run here; C10dTransport starts and joins their threads.
+class C10dFailures {
+ protected:
+  C10dFailures(const Connection& c, C10dOptions options)
+      : group_(c.group),
+        store_(c.store),
+        options_(std::move(options)),
+        abort_key_(options_.prefix_ + "/abort") {}
+  ~C10dFailures() = default;
+
+  C10dFailures(const C10dFailures&) = delete;
+  C10dFailures& operator=(const C10dFailures&) = delete;
+
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer = 0;
+    MessageKey key;
+  };
+  struct Waiting {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer = 0;
+    MessageKey key;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  int rank() const { return group_.rank(); }
+
+  // Throws a copy of the failure `e`: each thread that learns of it gets its own exception
+  // object, to which the executor may add its cell as context without touching the others'.
+  [[noreturn]] static void throw_copy(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const c10::Error& x) {
+      throw c10::Error(x);
+    }
+  }
+
+  void abort_local(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (local_) local_->abort(e);
+  }
+
+  // Throws the failure learnt here, unless this rank aborted first (its receivers then return
+  // nothing and the executor reports its own error).
+  void rethrow_failure() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_ && !aborted_here_) throw_copy(failure_);
+  }
+
+  bool aborted_here() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return aborted_here_;
+  }
+
+  // A connection to `peer` broke while this rank waited on it: the peer died or stopped.
+  [[noreturn]] void fail_peer(int peer, const MessageKey& k, const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_) throw_copy(failure_);
+    }
+    // A rank that failed published why before it exited: that is the cause to report. The
+    // closed connection can be seen here before the store answers with it, so look a few times.
+    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll_,
+                                                                   std::chrono::milliseconds(300));
+    while (true) {
+      if (auto published = read_published()) {
+        fail(*published);
+        rethrow_failure();
+      }
+      if (std::chrono::steady_clock::now() > until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    const std::string what = "rank " + std::to_string(peer) + " is gone: its connection closed " +
+                             "while rank " + std::to_string(rank()) + " exchanged " +
+                             detail::describe(k) + " with it; it crashed, was killed, or exited " +
+                             "early (see its output). Transport error: " + detail::what_of(e);
+    publish(what);
+    fail(what);
+    rethrow_failure();
+    TORCH_CHECK(false, "stagewise: ", what);
+  }
+
+  // Records a failure seen or learnt here and cancels every pending transfer.
+  void fail(const std::string& what) {
+    std::exception_ptr failure;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (aborted_here_) return;
+      if (!failure_) {
+        try {
+          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", rank(), " stops too.");
+        } catch (...) {
+          failure_ = std::current_exception();
+        }
+      }
+      failure = failure_;
+      stopped_ = true;
+      abort_works_locked();
+    }
+    wake_.notify_all();
+    abort_local(failure);
+  }
+
+  // Tells the other ranks (first writer wins); the store may be gone already.
+  void publish(const std::string& what) {
+    try {
+      const std::vector<std::uint8_t> value(what.begin(), what.end());
+      store_->compareSet(abort_key_, {}, value);
+    } catch (...) {
+    }
+  }
+
+  // What a failed rank wrote to the store, if anything (the store may be gone).
+  std::optional<std::string> read_published() {
+    try {
+      if (store_->check({abort_key_})) {
+        const auto v = store_->get(abort_key_);
+        return std::string(v.begin(), v.end());
+      }
+    } catch (...) {
+    }
+    return std::nullopt;
+  }
+
+  void abort_works_locked() {
+    for (auto& [id, w] : waiting_) w.work->abort();
+    for (auto& s : sends_) s.work->abort();
+  }
+
+  // Background: another rank's failure in the store, and receives past their deadline.
+  void watch() {
+    bool store_ok = true;
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!closing_) {
+      wake_.wait_for(lock, options_.poll_);
+      if (closing_ || stopped_) continue;
+      std::string stuck;
+      const auto now = std::chrono::steady_clock::now();
+      for (const auto& [id, w] : waiting_) {
+        if (now > w.deadline) {
+          stuck = "rank " + std::to_string(rank()) + " waited more than " +
+                  std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(w.key) +
+                  " from rank " + std::to_string(w.peer) + "; that rank is stuck or slower than " +
+                  "the timeout (raise C10dOptions::timeout if its stage is just slow)";
+          break;
+        }
+      }
+      if (!stuck.empty()) {
+        lock.unlock();
+        publish(stuck);
+        fail(stuck);
+        lock.lock();
+        continue;
+      }
+      if (!store_ok) continue;
+      lock.unlock();
+      std::optional<std::string> published;
+      try {
+        if (store_->check({abort_key_})) {
+          const auto v = store_->get(abort_key_);
+          published.emplace(v.begin(), v.end());
+        }
+      } catch (...) {
+        // Rank 0, which serves the store, has exited; if it died, the Gloo connections to it
+        // fail the receives that wait on it, and the deadline bounds the others.
+        store_ok = false;
+      }
+      if (published) fail(*published);
+      lock.lock();
+    }
+  }
+
+  // Background: completes this rank's sends in order, so their tensors are freed early.
+  void reap() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return closing_ || !sends_.empty(); });
+      if (sends_.empty()) return;
+      Pending p = sends_.front();
+      sending_ = true;
+      lock.unlock();
+      std::optional<std::string> broken;
+      try {
+        p.work->wait();
+      } catch (const std::exception& e) {
+        broken = detail::what_of(e);
+      }
+      lock.lock();
+      sends_.pop_front();
+      sending_ = false;
+      if (broken && !stopped_) {
+        const std::string what = "rank " + std::to_string(p.peer) +
+                                 " is gone: its connection closed while rank " +
+                                 std::to_string(rank()) + " sent it " + detail::describe(p.key) +
+                                 "; it crashed, was killed, or exited early (see its output). "
+                                 "Transport error: " +
+                                 *broken;
+        lock.unlock();
+        if (auto published = read_published()) {
+          fail(*published);
+        } else {
+          publish(what);
+          fail(what);
+        }
+        lock.lock();
+      }
+      idle_.notify_all();
+    }
+  }
+
+  PointToPoint group_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  C10dOptions options_;
+  std::string abort_key_;
+  std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
+
+  std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
+  std::condition_variable wake_;
+  std::condition_variable idle_;
+  std::deque<Pending> sends_;
+  bool sending_ = false;
+  std::map<std::uint64_t, Waiting> waiting_;
+  bool stopped_ = false;       // no more transfers: failure, abort here, or closing
+  bool aborted_here_ = false;  // abort() was called on this rank
+  bool closing_ = false;
+  std::exception_ptr failure_;
+};
+
+}  // namespace stagewise::runtime::detail

@@ -1,0 +1,56 @@
+#pragma once
+
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace stagewise::runtime {
+
+/// Options of the c10d transport.
+///   stagewise::runtime::C10dOptions().timeout(std::chrono::seconds(5))
+struct C10dOptions {
+  /// The longest a receive waits before the job is declared stuck (every rank then fails); also
+  /// how long a finished rank waits for its last sends to be received. Default 30 s.
+  C10dOptions& timeout(std::chrono::milliseconds t) {
+    timeout_ = t;
+    return *this;
+  }
+  /// How often each rank looks for another rank's failure in the store. Default 100 ms.
+  C10dOptions& poll(std::chrono::milliseconds p) {
+    poll_ = p;
+    return *this;
+  }
+  /// Where received tensors are allocated: CPU for Gloo, this rank's GPU for NCCL.
+  C10dOptions& device(torch::Device d) {
+    device_ = d;
+    return *this;
+  }
+  /// Store keys of this transport start with it; two pipes sharing a store need different ones.
+  C10dOptions& prefix(std::string p) {
+    prefix_ = std::move(p);
+    return *this;
+  }
+
+  std::chrono::milliseconds timeout_{30000};
+  std::chrono::milliseconds poll_{100};
+  torch::Device device_{torch::kCPU};
+  std::string prefix_{"stagewise"};
+};
+
+/// What one rank exchanged with the other ranks: messages and the bytes of their tensors' data.
+/// Message headers (a few dozen bytes each) are not counted, nor are messages between stages
+/// of the same rank, which move no bytes.
+///   auto t = pipe.traffic();  // distributed::Pipe, cumulative since it was built
+///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
+///               (long long)t.messages_sent);
+struct C10dTraffic {
+  std::int64_t messages_sent = 0;
+  std::int64_t bytes_sent = 0;
+  std::int64_t messages_received = 0;
+  std::int64_t bytes_received = 0;
+};
+
+}  // namespace stagewise::runtime

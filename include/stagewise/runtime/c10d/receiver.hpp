@@ -1,0 +1,201 @@
+#pragma once
+
+#include "stagewise/runtime/c10d/failure.hpp"
+#include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/header.hpp"
+#include "stagewise/runtime/c10d/options.hpp"
+#include "stagewise/runtime/message.hpp"
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace stagewise::runtime::detail {
+
+// How C10dTransport receives from another rank: receives posted (and watched for their deadline)
+// one tensor at a time, or ahead of time by `expect` and completed in order by the receiver
+// thread (`receive_ahead`, started and joined by C10dTransport), which `take_ahead` waits for.
+// Also holds what C10dTransport's sends share with the receives: the mutex that serialises their
+// posts and the counters of the traffic with other ranks.
+class C10dReceiver : protected C10dFailures {
+ protected:
+  C10dReceiver(const Connection& c, C10dOptions options) : C10dFailures(c, std::move(options)) {}
+  ~C10dReceiver() = default;
+
+  // A message whose header receive was posted ahead (by `expect`).
+  struct Ahead {
+    MessageKey key;
+    int src = 0;
+    int tag = 0;
+    torch::Tensor header;
+    std::uint64_t id = 0;  // the header's receive, in waiting_
+  };
+  // What the receiver thread got for an expected message.
+  struct Arrival {
+    bool done = false;
+    std::optional<Message> message;  // nothing: this rank aborted
+    std::exception_ptr error;
+  };
+
+  // The rest of a message whose fixed header `fixed` has arrived: the header's tail, then the
+  // tensors. Nothing once this process aborted.
+  std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
+                                      const MessageKey& k) {
+    std::vector<std::int64_t> words;
+    {
+      auto cpu = fixed.cpu();
+      const auto rest = detail::header_rest(cpu);
+      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
+      if (rest > 0) {
+        auto more = torch::empty({rest}, fixed.options());
+        if (!receive(more, src, tag, k)) return std::nullopt;
+        auto m = more.cpu();
+        words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
+      }
+    }
+    Message m = detail::decode_header(words, options_.device_);
+    std::int64_t bytes = 0;
+    for (auto& t : m.tensors) {
+      if (t.defined() && t.numel() > 0) {
+        if (!receive(t, src, tag, k)) return std::nullopt;
+        bytes += static_cast<std::int64_t>(t.nbytes());
+      }
+    }
+    ++messages_received_;
+    bytes_received_ += bytes;
+    return m;
+  }
+
+  // Waits for expected message `k` (from rank `src`), completed by the receiver thread;
+  // `expected` false when `k` was not expected this step (then nothing was waited for). The
+  // wait is bounded by the timeout from the moment this rank needs the message.
+  std::optional<Message> take_ahead(const MessageKey& k, int src, bool& expected) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = arrivals_.find(k);
+    expected = it != arrivals_.end();
+    if (!expected) return std::nullopt;
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout_;
+    while (true) {
+      it = arrivals_.find(k);
+      if (it->second.done) {
+        Arrival a = std::move(it->second);
+        arrivals_.erase(it);
+        lock.unlock();
+        if (a.error) std::rethrow_exception(a.error);
+        return std::move(a.message);
+      }
+      if (failure_ && !aborted_here_) throw_copy(failure_);
+      if (aborted_here_) return std::nullopt;
+      if (wake_.wait_until(lock, deadline) == std::cv_status::timeout &&
+          !arrivals_.find(k)->second.done) {
+        const std::string stuck =
+            "rank " + std::to_string(rank()) + " waited more than " +
+            std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(k) +
+            " from rank " + std::to_string(src) + "; that rank is stuck or slower than " +
+            "the timeout (raise C10dOptions::timeout if its stage is just slow)";
+        lock.unlock();
+        publish(stuck);
+        fail(stuck);
+        lock.lock();
+      }
+    }
+  }
+
+  // Background: completes the messages posted ahead, in order, and hands them to take_ahead.
+  void receive_ahead() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return closing_ || !ahead_.empty(); });
+      if (ahead_.empty()) return;
+      Ahead a = std::move(ahead_.front());
+      ahead_.pop_front();
+      lock.unlock();
+      Arrival got;
+      got.done = true;
+      try {
+        if (await(a.id, a.src, a.key)) got.message = receive_rest(a.header, a.src, a.tag, a.key);
+      } catch (...) {
+        got.error = std::current_exception();
+      }
+      lock.lock();
+      arrivals_[a.key] = std::move(got);
+      wake_.notify_all();
+    }
+  }
+
+  // Receives into `t`; false once aborted here; throws the failure otherwise.
+  bool receive(torch::Tensor& t, int src, int tag, const MessageKey& k) {
+    auto id = post(t, src, tag, k, std::chrono::steady_clock::now() + options_.timeout_);
+    return id && await(*id, src, k);
+  }
+
+  // Posts a receive into `t`, which the watchdog fails after `deadline`; its id in waiting_, or
+  // nothing once aborted here; throws the failure otherwise.
+  std::optional<std::uint64_t> post(const torch::Tensor& t, int src, int tag, const MessageKey& k,
+                                    std::chrono::steady_clock::time_point deadline) {
+    std::vector<at::Tensor> in{t};
+    rethrow_failure();
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      // Posts are serialised with the sends: a process group's calls may share state.
+      std::lock_guard<std::mutex> posting(post_);
+      work = group_.recv(in, src, tag);
+    } catch (const std::exception& e) {
+      if (aborted_here()) return std::nullopt;
+      fail_peer(src, k, e);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::uint64_t id = next_id_++;
+    waiting_.emplace(id, Waiting{work, src, k, deadline});
+    if (stopped_) work->abort();
+    return id;
+  }
+
+  // Waits for the receive `id` posted from rank `src`; false once aborted here.
+  bool await(std::uint64_t id, int src, const MessageKey& k) {
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      work = waiting_.at(id).work;
+    }
+    bool done = false;
+    try {
+      done = work->wait();
+    } catch (const std::exception& e) {
+      forget(id);
+      if (aborted_here()) return false;
+      fail_peer(src, k, e);
+    }
+    forget(id);
+    if (!done) rethrow_failure();
+    return done;
+  }
+
+  void forget(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_.erase(id);
+  }
+
+  std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
+  std::atomic<std::int64_t> messages_received_{0}, bytes_received_{0};
+
+  std::mutex post_;  // one message's sends go out together
+  // Under C10dFailures::mutex_:
+  std::uint64_t next_id_ = 0;
+  std::deque<Ahead> ahead_;                           // posted ahead, not yet received
+  std::unordered_map<MessageKey, Arrival> arrivals_;  // expected this step, by key
+};
+
+}  // namespace stagewise::runtime::detail
