@@ -65,17 +65,24 @@ struct TwoStages {
   torch::Tensor operator()(const torch::Tensor& x) { return s1->forward(s0->forward(x)); }
 };
 
-// Whole batch, whole batch on 2 threads, micro-batch loop and train_step, alternating.
+// Whole batch, whole batch on 2 threads, micro-batch loop and train_step, alternating. With
+// `schedules`, train_step also runs ZB-H1 on the same 2 stages and ZB-V on the same layers cut
+// into 4 stages in a V on 2 workers; `best` is then ZB-H1's (else GPipe's).
 struct SpeedResult {
   bench::Summary vs_whole, vs_whole_2threads, vs_loop, whole_us, pipe_us;
+  bench::Summary best_vs_whole, best_vs_loop;
 };
 
+constexpr const char* kGpipe = "stagewise train_step, 2 workers x 1 thread";
+constexpr const char* kZbh1 = "train_step ZB-H1, 2 stages";
+constexpr const char* kZbv = "train_step ZB-V, 4 stages on 2 workers";
+
 SpeedResult speed(const char* title, int64_t width, int64_t batch, int64_t chunks, int rounds,
-                  int calls) {
+                  int calls, bool schedules = false) {
   torch::manual_seed(0);
   TwoStages model(width);
-  auto pipe = sw::Pipe(sw::stages(model.s0, model.s1),
-                       sw::PipeOptions().chunks(chunks).checkpoint("never"));
+  const auto options = sw::PipeOptions().chunks(chunks).checkpoint("never");
+  auto pipe = sw::Pipe(sw::stages(model.s0, model.s1), options);
   auto x = torch::randn({batch, width});
   auto t = torch::randn({batch, width});
   bench::Rounds r(rounds, calls);
@@ -88,24 +95,44 @@ SpeedResult speed(const char* title, int64_t width, int64_t batch, int64_t chunk
     at::set_num_threads(1);
   });
   r.add("micro-batch loop, 1 thread", [&] { microbatch_loop(model, x, t, chunks); });
-  r.add("stagewise train_step, 2 workers x 1 thread", [&] { pipe->train_step(x, t, mse); });
+  r.add(kGpipe, [&] { pipe->train_step(x, t, mse); });
+  if (schedules) {
+    r.add(kZbh1, [&] { pipe->train_step(x, t, mse, sw::schedule::zero_bubble_h1{}); });
+    // The same modules (so the same parameters), one [Linear, ReLU] per stage.
+    torch::nn::Sequential layers;
+    for (const auto& half : {model.s0, model.s1}) {
+      for (const auto& m : *half) layers->push_back(m);
+    }
+    r.add(kZbv, [&x, &t, pipe_v = sw::Pipe(layers, sw::balance{2, 2, 2, 2}, options)]() mutable {
+      pipe_v->train_step(x, t, mse, sw::schedule::zero_bubble_v{});
+    });
+  }
   r.run();
   std::printf("%s: 2 x [Linear(%lld,%lld), ReLU] x 2, batch %lld, chunks %lld, checkpoint never\n",
               title, static_cast<long long>(width), static_cast<long long>(width),
               static_cast<long long>(batch), static_cast<long long>(chunks));
   r.print();
   SpeedResult out;
-  out.vs_whole =
-      r.wall_ratio("whole batch, 1 thread", "stagewise train_step, 2 workers x 1 thread");
-  out.vs_whole_2threads =
-      r.wall_ratio("whole batch, 2 threads", "stagewise train_step, 2 workers x 1 thread");
-  out.vs_loop =
-      r.wall_ratio("micro-batch loop, 1 thread", "stagewise train_step, 2 workers x 1 thread");
+  out.vs_whole = r.wall_ratio("whole batch, 1 thread", kGpipe);
+  out.vs_whole_2threads = r.wall_ratio("whole batch, 2 threads", kGpipe);
+  out.vs_loop = r.wall_ratio("micro-batch loop, 1 thread", kGpipe);
   out.whole_us = r.wall("whole batch, 1 thread");
-  out.pipe_us = r.wall("stagewise train_step, 2 workers x 1 thread");
+  out.pipe_us = r.wall(kGpipe);
   bench::print_figure("speed-up vs whole batch, 1 thread", out.vs_whole, "x");
   bench::print_figure("speed-up vs whole batch, 2 threads", out.vs_whole_2threads, "x");
   bench::print_figure("speed-up vs micro-batch loop", out.vs_loop, "x");
+  out.best_vs_whole = out.vs_whole;
+  out.best_vs_loop = out.vs_loop;
+  if (schedules) {
+    out.best_vs_whole = r.wall_ratio("whole batch, 1 thread", kZbh1);
+    out.best_vs_loop = r.wall_ratio("micro-batch loop, 1 thread", kZbh1);
+    bench::print_figure("ZB-H1: speed-up vs whole batch, 1 thread", out.best_vs_whole, "x");
+    bench::print_figure("ZB-H1: speed-up vs micro-batch loop", out.best_vs_loop, "x");
+    bench::print_figure("ZB-V: speed-up vs whole batch, 1 thread",
+                        r.wall_ratio("whole batch, 1 thread", kZbv), "x");
+    bench::print_figure("ZB-V: speed-up vs micro-batch loop",
+                        r.wall_ratio("micro-batch loop, 1 thread", kZbv), "x");
+  }
   return out;
 }
 
@@ -252,8 +279,8 @@ int main(int argc, char** argv) {
   bench::print_figure("(c) train_step CPU time per action", c.step_cpu_per_action, "us");
 
   const SpeedResult b = speed("(d) speed", 512, 128, 8, rounds, /*calls=*/3);
-  const SpeedResult large =
-      speed("(e) large, 128-row micro-batches", 768, 1024, 8, std::max(3, rounds / 2), 1);
+  const SpeedResult large = speed("(e) large, 128-row micro-batches", 768, 1024, 8, rounds, 1,
+                                  /*schedules=*/true);
 
   // (f) memory: 4 stages of 4 x (Linear(512,512), ReLU), batch 256, chunks 8.
   torch::manual_seed(0);
@@ -322,6 +349,6 @@ int main(int argc, char** argv) {
       "speedup_vs_torch_pipe=%s speedup_vs_torch_pipelining=%s large_speedup_openblas=%s\n",
       fmt(a.cpu_per_action.median).c_str(), fmt(b.vs_whole.median).c_str(),
       fmt(b.vs_whole_2threads.median).c_str(), fmt(vs_pipe).c_str(), fmt(vs_pipelining).c_str(),
-      fmt(openblas ? large.vs_whole.median : std::nan("")).c_str());
+      fmt(openblas ? large.best_vs_whole.median : std::nan("")).c_str());
   return 0;
 }
