@@ -184,10 +184,11 @@ int main(int argc, char** argv) {
   }
   // The system's python3 if its torch has the module, else a Debian 13 root's (as pipe_cpu).
   // Only configuration (d)'s GPipe step is read here: running the anchor's overhead
-  // configuration and its 1F1B probe too took it past run_anchor's 600 s limit.
+  // configuration and its 1F1B probe too took it past run_anchor's 600 s limit. That step
+  // (about 50 s) sometimes hangs on Gloo: each launch gets 150 s, and two relaunches.
   const auto anchor = bench::run_anchor("benchmarks/anchors/torch_pipelining.py",
                                         "torch.distributed.pipelining",
-                                        "--configs d --no-one-f-one-b");
+                                        "--configs d --no-one-f-one-b --timeout 150 --retries 2");
   const bench::Summary torch_us{bench::value_or_nan(anchor, "torch_pipelining_min_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_max_us")};

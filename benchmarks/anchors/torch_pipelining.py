@@ -14,9 +14,10 @@ under the names //benchmarks:distributed_cpu reads), all nan where the module is
 USE_LIBUV=0 with Debian 13's torch (built without libuv), which it sets.
 
     python3 benchmarks/anchors/torch_pipelining.py [--rounds 7] [--timeout 600] [--configs a,d]
-        [--no-one-f-one-b]
+        [--no-one-f-one-b] [--retries 0]
 //benchmarks:distributed_cpu needs only configuration d's GPipe step: `--configs d
---no-one-f-one-b`."""
+--no-one-f-one-b`. Its GPipe step over Gloo hangs now and then (2 launches of 3 on 2026-11-23,
+PyTorch 2.6, configuration d); `--timeout S --retries N` bounds each launch and relaunches."""
 
 import argparse
 import multiprocessing
@@ -188,6 +189,9 @@ def main():
                         help="comma-separated GPipe configurations to run, of a and d")
     parser.add_argument("--no-one-f-one-b", action="store_true",
                         help="skip the Schedule1F1B run (reported as nan)")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="relaunch a GPipe configuration that did not finish, up to N times "
+                             "(its GPipe step over Gloo sometimes hangs; see below)")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in ("a", "d")]
@@ -203,7 +207,13 @@ def main():
     for config, world in (("a", 4), ("d", 2)):
         if config not in configs:
             continue
-        results, finished = launch(world, config, "gpipe", args.rounds, timeout_s=args.timeout)
+        for attempt in range(1 + max(0, args.retries)):
+            results, finished = launch(world, config, "gpipe", args.rounds,
+                                       timeout_s=args.timeout)
+            if finished:
+                break
+            print(f"torch_pipelining: {config}: attempt {attempt + 1} did not finish within "
+                  f"{args.timeout:.0f} s", file=sys.stderr, flush=True)
         if finished:
             out.update(results)
         else:

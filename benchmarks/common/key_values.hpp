@@ -74,14 +74,37 @@ inline std::string python_with(const std::string& module, std::string& root) {
   return "";
 }
 
+/// The directories of LD_LIBRARY_PATH that hold an OpenBLAS `libblas.so.3` (what
+/// `--blas=openblas` puts there), in order.
+inline std::vector<std::filesystem::path> openblas_dirs_in_library_path() {
+  std::vector<std::filesystem::path> out;
+  const char* path = std::getenv("LD_LIBRARY_PATH");
+  std::string rest = path ? path : "";
+  std::error_code ec;
+  while (!rest.empty()) {
+    const auto colon = rest.find(':');
+    const std::filesystem::path dir = rest.substr(0, colon);
+    rest = colon == std::string::npos ? "" : rest.substr(colon + 1);
+    if (dir.string().find("openblas") != std::string::npos &&
+        std::filesystem::exists(dir / "libblas.so.3", ec)) {
+      out.push_back(dir);
+    }
+  }
+  return out;
+}
+
 /// Runs an anchor script with the Python found for `module`; inside a chroot the script and
 /// anchor_common.py are copied to the root's /tmp/stagewise_anchors first. Empty when no such
-/// Python exists. The script runs under `timeout 600`.
+/// Python exists. The script runs under `timeout 600`. When this process multiplies with
+/// OpenBLAS through LD_LIBRARY_PATH (`--blas=openblas`), so does the anchor: the system's Python
+/// inherits the variable, and for a chroot the library is copied to the root's
+/// /tmp/stagewise_openblas and named there (else the anchor's PyTorch would use the root's own
+/// BLAS and the two sides would compare different matrix-product libraries).
 inline std::map<std::string, double> run_anchor(const std::string& script,
                                                 const std::string& module,
                                                 const std::string& args) {
   std::string root;
-  const std::string python = python_with(module, root);
+  std::string python = python_with(module, root);
   if (python.empty()) return {};
   std::string path = script;
   if (!root.empty()) {
@@ -97,6 +120,27 @@ inline std::map<std::string, double> run_anchor(const std::string& script,
       if (ec) return {};
     }
     path = (inside / from.filename()).string();
+    if (const auto dirs = openblas_dirs_in_library_path(); !dirs.empty()) {
+      const auto blas = std::filesystem::path("/tmp/stagewise_openblas");
+      const auto target = std::filesystem::path(root) / blas.relative_path();
+      std::filesystem::create_directories(target, ec);
+      for (const auto& f : std::filesystem::directory_iterator(dirs.front(), ec)) {
+        const auto to = target / f.path().filename();
+        if (f.is_symlink(ec)) {  // libopenblas.so.0 -> the library: a link, not a second copy
+          if (!std::filesystem::is_symlink(to, ec))
+            std::filesystem::copy_symlink(f.path(), to, ec);
+        } else {
+          std::filesystem::copy_file(f.path(), to, std::filesystem::copy_options::update_existing,
+                                     ec);
+        }
+        if (ec) return {};
+      }
+      const std::string unset = "env -u LD_LIBRARY_PATH ";
+      const auto at = python.find(unset);
+      if (at == std::string::npos) return {};
+      python = python.substr(0, at) + "env LD_LIBRARY_PATH=" + blas.string() + " " +
+               python.substr(at + unset.size());
+    }
   }
   return run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
 }
