@@ -16,6 +16,7 @@
 namespace sw = stagewise;
 
 using sw::testing::settled_thread_count;
+using sw::testing::stable_thread_count;
 using sw::testing::thread_count;
 
 TEST_SUITE("thread pool") {
@@ -28,7 +29,7 @@ TEST_SUITE("thread pool") {
   }
 
   TEST_CASE("size 1 owns no thread and runs everything on the caller, in order") {
-    const auto before = thread_count();
+    const auto before = stable_thread_count();
     sw::ThreadPool pool(1);
     CHECK(pool.size() == 1);
     CHECK(thread_count() == before);
@@ -132,10 +133,10 @@ TEST_SUITE("thread pool") {
   }
 
   TEST_CASE("destroying a pool joins its threads: no thread is leaked") {
-    const auto before = thread_count();
+    const auto before = stable_thread_count();
     {
       sw::ThreadPool pool(4);
-      CHECK(thread_count() == before + 3);
+      CHECK(settled_thread_count(before + 3) == before + 3);
       pool.run(16, [](std::size_t) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
     }
     CHECK(settled_thread_count(before) == before);

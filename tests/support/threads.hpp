@@ -34,4 +34,21 @@ inline std::size_t settled_thread_count(std::size_t expected) {
   return n;
 }
 
+/// The thread count once it has stopped changing (the same for 100 ms), or whatever it is after
+/// two seconds: the count to compare against later. A bare count taken just after an earlier
+/// test joined its threads can still include one that is exiting (see above), and then every
+/// later comparison is off by one (seen once in CI: the worker test's "before + 3" read 4 == 5).
+inline std::size_t stable_thread_count() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  std::size_t n = thread_count();
+  int same = 0;
+  while (same < 20 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const std::size_t now = thread_count();
+    same = now == n ? same + 1 : 0;
+    n = now;
+  }
+  return n;
+}
+
 }  // namespace stagewise::testing
