@@ -44,6 +44,21 @@ inline double value_or_nan(const std::map<std::string, double>& values, const st
   return it == values.end() ? std::numeric_limits<double>::quiet_NaN() : it->second;
 }
 
+/// The command prefix that runs a program inside the Debian root `dir`: holding the root's lock
+/// file, if it has one, so that whoever maintains the root does not tear it down (and end the
+/// anchor's processes) meanwhile; with USE_LIBUV=0, and LD_LIBRARY_PATH set to `library_path`
+/// (a path inside the root), or unset when that is empty (the host's paths mean nothing there).
+inline std::string chroot_command(const std::filesystem::path& dir,
+                                  const std::string& library_path = "") {
+  std::error_code ec;
+  const auto lock = dir.string() + ".lock";
+  const std::string locked =
+      std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
+  const std::string library =
+      library_path.empty() ? "-u LD_LIBRARY_PATH" : "LD_LIBRARY_PATH=" + library_path;
+  return locked + "chroot '" + dir.string() + "' env " + library + " USE_LIBUV=0 ";
+}
+
 /// A Python that has `module` (e.g. torch.distributed.pipelining): "python3 " if the system's has
 /// it, else "chroot DIR python3 " for a Debian root under /var/cache/stagewise (or
 /// $STAGEWISE_PYTHON_ROOT) that has it; "" if none. `root` receives DIR ("" for the system).
@@ -59,13 +74,7 @@ inline std::string python_with(const std::string& module, std::string& root) {
   }
   for (const auto& dir : candidates) {
     if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
-    // Hold the root's lock file, if it has one, so that whoever maintains the root does not
-    // tear it down (and end the anchor's processes) meanwhile.
-    const auto lock = dir.string() + ".lock";
-    const std::string locked =
-        std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
-    const std::string chroot =
-        locked + "chroot '" + dir.string() + "' env -u LD_LIBRARY_PATH USE_LIBUV=0 ";
+    const std::string chroot = chroot_command(dir);
     if (std::system((chroot + "python3" + probe).c_str()) == 0) {
       root = dir.string();
       return chroot + "python3 ";
@@ -74,10 +83,9 @@ inline std::string python_with(const std::string& module, std::string& root) {
   return "";
 }
 
-/// The directories of LD_LIBRARY_PATH that hold an OpenBLAS `libblas.so.3` (what
-/// `--blas=openblas` puts there), in order.
-inline std::vector<std::filesystem::path> openblas_dirs_in_library_path() {
-  std::vector<std::filesystem::path> out;
+/// The first directory of LD_LIBRARY_PATH that holds an OpenBLAS `libblas.so.3` (what
+/// `--blas=openblas` puts there), or an empty path.
+inline std::filesystem::path openblas_dir_in_library_path() {
   const char* path = std::getenv("LD_LIBRARY_PATH");
   std::string rest = path ? path : "";
   std::error_code ec;
@@ -87,10 +95,10 @@ inline std::vector<std::filesystem::path> openblas_dirs_in_library_path() {
     rest = colon == std::string::npos ? "" : rest.substr(colon + 1);
     if (dir.string().find("openblas") != std::string::npos &&
         std::filesystem::exists(dir / "libblas.so.3", ec)) {
-      out.push_back(dir);
+      return dir;
     }
   }
-  return out;
+  return {};
 }
 
 /// Runs an anchor script with the Python found for `module`; inside a chroot the script and
@@ -120,11 +128,11 @@ inline std::map<std::string, double> run_anchor(const std::string& script,
       if (ec) return {};
     }
     path = (inside / from.filename()).string();
-    if (const auto dirs = openblas_dirs_in_library_path(); !dirs.empty()) {
+    if (const auto openblas = openblas_dir_in_library_path(); !openblas.empty()) {
       const auto blas = std::filesystem::path("/tmp/stagewise_openblas");
       const auto target = std::filesystem::path(root) / blas.relative_path();
       std::filesystem::create_directories(target, ec);
-      for (const auto& f : std::filesystem::directory_iterator(dirs.front(), ec)) {
+      for (const auto& f : std::filesystem::directory_iterator(openblas, ec)) {
         const auto to = target / f.path().filename();
         if (f.is_symlink(ec)) {  // libopenblas.so.0 -> the library: a link, not a second copy
           if (!std::filesystem::is_symlink(to, ec))
@@ -135,11 +143,7 @@ inline std::map<std::string, double> run_anchor(const std::string& script,
         }
         if (ec) return {};
       }
-      const std::string unset = "env -u LD_LIBRARY_PATH ";
-      const auto at = python.find(unset);
-      if (at == std::string::npos) return {};
-      python = python.substr(0, at) + "env LD_LIBRARY_PATH=" + blas.string() + " " +
-               python.substr(at + unset.size());
+      python = chroot_command(root, blas.string()) + "python3 ";
     }
   }
   return run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");
