@@ -13,6 +13,7 @@
 #include "benchmarks/common/key_values.hpp"
 #include "benchmarks/common/memory.hpp"
 #include "benchmarks/common/rounds.hpp"
+#include "benchmarks/common/stats.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -20,7 +21,6 @@
 #include <cstring>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <string>
 
 namespace sw = stagewise;
@@ -46,13 +46,7 @@ void row(const std::string& what, double value, const std::string& unit) {
   std::printf("  %-52s %10.3f %s\n", what.c_str(), value, unit.c_str());
 }
 
-std::string fmt(double v) {
-  if (std::isnan(v)) return "nan";
-  std::ostringstream s;
-  s.precision(3);
-  s << std::fixed << v;
-  return s.str();
-}
+std::string fmt(double v) { return stagewise::bench::fixed3(v); }
 
 // Two stages of [Linear(w,w), ReLU] x 2: the speed configurations.
 struct TwoStages {

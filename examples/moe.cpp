@@ -1,7 +1,7 @@
 // moe: a mixture-of-experts block (top-k routing, load-balancing loss, optional capacity) trained
 // two ways: the standard way (a loop over the experts, Adam) and the stagewise way (experts in
 // parallel with ParallelBranches, inside a pipeline stage, Adam fused into backward).
-//   ./bazelw run -c opt //examples:moe
+//   ./bazelw run -c opt //examples:moe -- --device=cuda   (default auto: the GPUs, else the CPU)
 #include "benchmarks/common/memory.hpp"  // a CPU allocator that counts live tensor bytes
 
 #include <stagewise/stagewise.hpp>
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 namespace sw = stagewise;
@@ -89,13 +90,14 @@ struct Result {
   double peak_mib = 0, step_ms = 0;
 };
 
-Result train(bool stagewise, const torch::Tensor& x, const torch::Tensor& y) {
+Result train(bool stagewise, const torch::Tensor& x, const torch::Tensor& y,
+             const std::vector<torch::Device>& devices) {
   auto& memory = sw::bench::counting_allocator();
   torch::manual_seed(0);
   MoEBlock block(64, 256, 4, /*top_k=*/2, /*capacity=*/160);
   torch::nn::Linear head(64, 8);
   block->parallel = stagewise;
-  auto pipe = sw::Pipe(sw::stages(block, head), sw::PipeOptions().chunks(2));
+  auto pipe = sw::Pipe(sw::stages(block, head), sw::PipeOptions().chunks(2).devices(devices));
   const auto adam = torch::optim::AdamOptions(3e-3);
   torch::optim::Adam standard(pipe->parameters(), adam);
   sw::optim::FusedStep fused(pipe->named_parameters(), adam);  // hooks on; unused if standard
@@ -109,12 +111,14 @@ Result train(bool stagewise, const torch::Tensor& x, const torch::Tensor& y) {
     torch::Tensor loss;
     if (stagewise) {
       loss = pipe->train_step(x, y, mse, fused);  // parameters updated inside backward
-    } else {
-      loss = mse(head(block(x)), y);
+    } else {  // the same two modules, each on its stage's device
+      loss = mse(head(block(x.to(devices[0])).to(devices[1])), y.to(devices[1]));
       loss.backward();
       standard.step();
       for (auto& p : pipe->parameters()) p.mutable_grad().reset();  // zero_grad(set_to_none)
     }
+    for (auto d : devices)  // a GPU works after the calls return: wait for it
+      if (d.is_cuda()) torch::cuda::synchronize(d.index());
     ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     r.peak_mib = std::max(r.peak_mib, memory.peak() / 1048576.0);
@@ -128,18 +132,27 @@ Result train(bool stagewise, const torch::Tensor& x, const torch::Tensor& y) {
   return r;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string flag = argc > 1 ? argv[1] : "--device=auto";
+  if (argc > 2 || !flag.starts_with("--device=")) {
+    std::fprintf(stderr, "usage: %s [--device=auto|cpu|cuda|cuda:N|cpu,cuda:0]\n", argv[0]);
+    return 2;
+  }
+  // auto: the block and the head on a GPU each when there are two, else both on cuda:0, else
+  // both on the CPU. The data stays on the CPU: the pipe moves it.
+  const auto devices = sw::place_stages(2, flag.substr(9));
+  for (std::size_t k = 0; k < 2; ++k) std::printf("stage %zu on %s\n", k, devices[k].str().c_str());
   at::set_num_threads(1);  // the experts' parallelism comes from ParallelBranches
   sw::bench::counting_allocator();
   torch::manual_seed(1);
   auto x = torch::randn({256, 64});
   auto y = torch::tanh(x.matmul(torch::randn({64, 8})));
-  const Result standard = train(false, x, y), stagewise = train(true, x, y);
+  const Result standard = train(false, x, y, devices), stagewise = train(true, x, y, devices);
   for (std::size_t s = 0; s < standard.losses.size(); s += 3) {
     std::printf("step %2zu loss: standard %.5f stagewise %.5f\n", s, standard.losses[s],
                 stagewise.losses[s]);
   }
-  std::printf("peak tensor memory: standard %.0f KiB, stagewise %.0f KiB\n",
+  std::printf("peak CPU tensor memory: standard %.0f KiB, stagewise %.0f KiB\n",
               standard.peak_mib * 1024, stagewise.peak_mib * 1024);
   std::printf("step time (median): standard %.1f ms, stagewise %.1f ms\n", standard.step_ms,
               stagewise.step_ms);

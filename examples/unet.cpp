@@ -1,12 +1,14 @@
 // unet: skip connections across pipeline stages. Each encoder block stashes its features, the
 // decoder block of the same level pops them, possibly in another stage. One block type serves
 // every level: the level is the skip's namespace.
-//   ./bazelw run //examples:unet
+//   ./bazelw run //examples:unet -- --device=cuda   (default auto: the GPUs, else the CPU)
 #include <stagewise/stagewise.hpp>
 
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <string>
+#include <vector>
 
 namespace sw = stagewise;
 
@@ -44,7 +46,17 @@ struct UpImpl : sw::Skippable<UpImpl<Level>, sw::pops<features<Level>>> {
 template <class Level>
 using Up = torch::nn::ModuleHolder<UpImpl<Level>>;
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string flag = argc > 1 ? argv[1] : "--device=auto";
+  if (argc > 2 || !flag.starts_with("--device=")) {
+    std::fprintf(stderr, "usage: %s [--device=auto|cpu|cuda|cuda:N|cpu,cuda:0,cuda:1]\n", argv[0]);
+    return 2;
+  }
+  // auto: one stage per GPU when there are three, else all on cuda:0, else all on the CPU. A split
+  // into fewer stages takes the first devices.
+  const auto devices = sw::place_stages(3, flag.substr(9));
+  for (std::size_t k = 0; k < 3; ++k) std::printf("stage %zu on %s\n", k, devices[k].str().c_str());
+  at::globalContext().setAllowTF32CuDNN(false);  // full fp32 convolutions, to compare with the CPU
   torch::manual_seed(0);
   Down<Level1> d1(3, 8);
   Down<Level2> d2(8, 16);  // a second Down<Level1> here would not compile: stashed twice
@@ -53,41 +65,44 @@ int main() {
   Up<Level1> u1(8, 8, 8);
   torch::nn::Conv2d head(torch::nn::Conv2dOptions(8, 1, 1));
 
-  // The unsplit model: outside a pipe, stash and pop use this thread's plain tracker.
+  // The unsplit model, on the CPU: outside a pipe, stash and pop use this thread's plain tracker.
   auto x = torch::randn({16, 3, 32, 32}, torch::requires_grad());
   auto expected = head(u1(u2(mid(d2(d1(x))))));
-  expected.pow(2).mean().backward();
-  const auto expected_grad = x.grad().clone();
+  const auto expected_grad = torch::autograd::grad({expected.pow(2).mean()}, {x})[0];
 
   bool ok = true;
-  auto compare = [&](const char* split, auto make_pipe) {
+  auto compare = [&](const char* split, int stages, auto make_pipe) {
     for (auto mode : {sw::Checkpoint::always, sw::Checkpoint::except_last, sw::Checkpoint::never}) {
-      auto pipe = make_pipe(sw::PipeOptions().chunks(4).checkpoint(mode));
+      auto pipe = make_pipe(sw::PipeOptions().chunks(4).checkpoint(mode).devices(
+          std::vector(devices.begin(), devices.begin() + stages)));
       x.mutable_grad().reset();
+      // y comes back on the last stage's device, and x's gradient on x's (the CPU).
       auto y = pipe->forward(x);  // skips cross stages through portals
       y.pow(2).mean().backward();
-      const bool same = torch::allclose(y, expected, 1e-5, 1e-6) &&
+      const bool same = torch::allclose(y.cpu(), expected, 1e-5, 1e-6) &&
                         torch::allclose(x.grad(), expected_grad, 1e-5, 1e-6);
       std::printf("%-8s checkpoint %-11s output and input gradient match unsplit: %s\n", split,
                   sw::to_string(mode), same ? "yes" : "NO");
       ok = ok && same;
+      // The next pipe may move a layer to another device; its gradient would not follow.
+      for (auto& p : pipe->parameters()) p.mutable_grad().reset();
     }
   };
   // The stage lists are types: Pipe checks at compile time that every pop has its stash.
-  compare("1 stage",
+  compare("1 stage", 1,
           [&](auto o) { return sw::Pipe(sw::stages(sw::seq(d1, d2, mid, u2, u1, head)), o); });
-  compare("2 stages", [&](auto o) {
+  compare("2 stages", 2, [&](auto o) {
     return sw::Pipe(sw::stages(sw::seq(d1, d2, mid), sw::seq(u2, u1, head)), o);
   });
-  compare("3 stages", [&](auto o) {
+  compare("3 stages", 3, [&](auto o) {
     return sw::Pipe(sw::stages(sw::seq(d1, d2), sw::seq(mid, u2), sw::seq(u1, head)), o);
   });
 
   // A few training steps on 3 stages: forward and backward run on the stage workers.
   auto pipe = sw::Pipe(sw::stages(sw::seq(d1, d2), sw::seq(mid, u2), sw::seq(u1, head)),
-                       sw::PipeOptions().chunks(4));
+                       sw::PipeOptions().chunks(4).devices(devices));
   torch::optim::SGD optimizer(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto input = x.detach();
+  auto input = x.detach();  // on the CPU: the pipe moves micro-batches to stage 0, targets to 2
   auto target = (input.mean(1, /*keepdim=*/true) > 0).to(torch::kFloat);  // a toy segmentation
   auto bce = [](const torch::Tensor& out, const torch::Tensor& t) {
     return torch::binary_cross_entropy_with_logits(out, t);

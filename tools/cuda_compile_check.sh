@@ -10,12 +10,15 @@ Compiles stagewise's GPU code paths with CUDA enabled, for syntax and types only
 -fsyntax-only, C++20, -Wall -Wextra -Werror; nothing is linked or run), so they cannot rot while
 no GPU is at hand. Each of these is one case:
   - every public header (include/stagewise/**/*.hpp) in one translation unit, with USE_CUDA
-    defined, so `#if defined(USE_CUDA)` branches are compiled too (and USE_C10D_GLOO, which the
+    defined, so `#if defined(USE_CUDA)` branches are compiled too (and STAGEWISE_WITH_CUDA, the
+    CUDA branch of balance_by_size, and USE_C10D_GLOO, which the
     distributed headers need, as //:distributed defines it);
   - tests/cuda/cuda_paths.cpp: the device-generic streams, RNG snapshots and a two-GPU Pipe
     driven with CUDA's own types (c10::cuda::CUDAStream, CUDAGuard, at::cuda::CUDAEvent, the
     CUDA generator);
-  - every tests/**/*_cuda_test.cpp.
+  - every tests/**/*_cuda_test.cpp;
+  - benchmarks/pipe_cuda.cpp, the GPU benchmark (CUDA caching-allocator statistics, device
+    properties), which only a CUDA LibTorch builds.
 Works against Debian's CPU LibTorch, which ships the c10/cuda and ATen/cuda headers (the
 generated cuda_cmake_macros.h it lacks is skipped), or an official CUDA LibTorch archive.
 
@@ -54,7 +57,7 @@ if [[ ! -f $torch/include/c10/cuda/CUDAStream.h ]]; then
   exit 2
 fi
 
-flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Werror -DUSE_CUDA -DUSE_C10D_GLOO
+flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Werror -DUSE_CUDA -DUSE_C10D_GLOO -DSTAGEWISE_WITH_CUDA
        -I"$repo/include" -I"$repo")
 [[ $torch == /usr ]] || flags+=(-isystem "$torch/include")
 flags+=(-isystem "$torch/include/torch/csrc/api/include" -isystem "$cuda/include")
@@ -69,6 +72,7 @@ all=$work/all_headers_cuda.cpp
 (cd "$repo/include" && find stagewise -name '*.hpp' | sort | sed 's|.*|#include "&"|') >"$all"
 cases=("$all" "$repo/tests/cuda/cuda_paths.cpp")
 while IFS= read -r f; do cases+=("$f"); done < <(find "$repo/tests" -name '*_cuda_test.cpp' | sort)
+cases+=("$repo/benchmarks/pipe_cuda.cpp")
 
 export work
 compile_one() {

@@ -6,6 +6,7 @@
 // re-executes itself with LD_LIBRARY_PATH pointing there.
 
 #include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/files.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -15,55 +16,49 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 
 namespace stagewise::bench {
 
 /// The directory OpenBLAS is unpacked into: $STAGEWISE_CACHE/openblas, else
 /// $XDG_CACHE_HOME/stagewise/openblas, else ~/.cache/stagewise/openblas.
-inline std::filesystem::path openblas_cache_dir() {
-  if (const char* dir = std::getenv("STAGEWISE_CACHE")) {
-    return std::filesystem::path(dir) / "openblas";
-  }
+inline std::string openblas_cache_dir() {
+  if (const char* dir = std::getenv("STAGEWISE_CACHE")) return files::join(dir, "openblas");
   if (const char* dir = std::getenv("XDG_CACHE_HOME")) {
-    return std::filesystem::path(dir) / "stagewise" / "openblas";
+    return files::join(dir, "stagewise/openblas");
   }
   const char* home = std::getenv("HOME");
-  return std::filesystem::path(home ? home : "/tmp") / ".cache" / "stagewise" / "openblas";
+  return files::join(home ? home : "/tmp", ".cache/stagewise/openblas");
 }
 
 /// The directory under `root` that holds OpenBLAS's `libblas.so.3` (Debian's
-/// usr/lib/<triplet>/openblas-pthread), or an empty path when it is not unpacked there.
-inline std::filesystem::path find_openblas_libdir(const std::filesystem::path& root) {
-  std::error_code ec;
-  const auto lib = root / "usr" / "lib";
-  if (!std::filesystem::is_directory(lib, ec)) return {};
-  for (const auto& triplet : std::filesystem::directory_iterator(lib, ec)) {
-    const auto dir = triplet.path() / "openblas-pthread";
-    if (std::filesystem::exists(dir / "libblas.so.3", ec)) return dir;
+/// usr/lib/<triplet>/openblas-pthread), or an empty string when it is not unpacked there.
+inline std::string find_openblas_libdir(const std::string& root) {
+  const auto lib = files::join(root, "usr/lib");
+  for (const auto& triplet : files::list(lib)) {
+    const auto dir = files::join(files::join(lib, triplet), "openblas-pthread");
+    if (files::exists(files::join(dir, "libblas.so.3"))) return dir;
   }
   return {};
 }
 
 /// Fetches Debian's libopenblas0-pthread into `root` unless it is there already, and returns the
 /// library directory. Needs `apt-get` and `dpkg` (and a current package list).
-inline std::filesystem::path fetch_openblas(const std::filesystem::path& root) {
+inline std::string fetch_openblas(const std::string& root) {
   if (auto dir = find_openblas_libdir(root); !dir.empty()) return dir;
-  std::filesystem::create_directories(root);
-  const auto download = root / "download";
-  std::filesystem::create_directories(download);
-  const std::string command = "cd '" + download.string() +
+  const auto download = files::join(root, "download");
+  files::make_directories(download);
+  const std::string command = "cd '" + download +
                               "' && apt-get download libopenblas0-pthread >/dev/null 2>&1"
                               " && dpkg -x libopenblas0-pthread_*.deb '" +
-                              root.string() + "'";
+                              root + "'";
   const int rc = std::system(command.c_str());
   auto dir = find_openblas_libdir(root);
-  TORCH_CHECK(rc == 0 && !dir.empty(), "--blas=openblas: fetching OpenBLAS into ", root.string(),
+  TORCH_CHECK(rc == 0 && !dir.empty(), "--blas=openblas: fetching OpenBLAS into ", root,
               " failed (`", command, "` exited with ", rc,
               "). Run `apt-get update` so that apt knows the package, or unpack "
               "libopenblas0-pthread's .deb there yourself with `dpkg -x PACKAGE.deb ",
-              root.string(), "`.");
+              root, "`.");
   return dir;
 }
 
@@ -92,11 +87,11 @@ inline std::string select_blas(int argc, char** argv) {
                 "--blas=openblas: re-executed with LD_LIBRARY_PATH=",
                 std::getenv("LD_LIBRARY_PATH") ? std::getenv("LD_LIBRARY_PATH") : "",
                 " but the BLAS loaded is ", loaded_blas(), ". Delete the cache directory ",
-                openblas_cache_dir().string(), " so that it is fetched again.");
+                openblas_cache_dir(), " so that it is fetched again.");
     return "openblas";
   }
   const auto dir = fetch_openblas(openblas_cache_dir());
-  std::string path = dir.string();
+  std::string path = dir;
   if (const char* old = std::getenv("LD_LIBRARY_PATH"); old && *old) path += ":" + std::string(old);
   setenv("LD_LIBRARY_PATH", path.c_str(), 1);
   setenv("OPENBLAS_NUM_THREADS", "1", 0);
@@ -105,7 +100,7 @@ inline std::string select_blas(int argc, char** argv) {
   std::fflush(nullptr);
   execv("/proc/self/exe", argv);
   TORCH_CHECK(false, "--blas=openblas: re-executing /proc/self/exe failed (", std::strerror(errno),
-              "); run the program with LD_LIBRARY_PATH=", dir.string(), " instead");
+              "); run the program with LD_LIBRARY_PATH=", dir, " instead");
   return "openblas";
 }
 

@@ -2,12 +2,13 @@
 
 // CPU clocks and core pinning for benchmarks that define overhead in CPU time.
 
+#include "benchmarks/common/files.hpp"
+
 #include <sched.h>
 #include <sys/types.h>
 #include <time.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,8 +59,8 @@ class PinnedToOneCore {
     CPU_ZERO(&one);
     CPU_SET(core, &one);
     // sched_setaffinity acts on one thread: walk /proc/self/task to reach the workers as well.
-    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
-      const pid_t tid = static_cast<pid_t>(std::atoi(entry.path().filename().c_str()));
+    for (const auto& name : files::list("/proc/self/task")) {
+      const pid_t tid = static_cast<pid_t>(std::atoi(name.c_str()));
       cpu_set_t before;
       CPU_ZERO(&before);
       if (sched_getaffinity(tid, sizeof before, &before) != 0) continue;
@@ -69,8 +70,8 @@ class PinnedToOneCore {
   PinnedToOneCore(const PinnedToOneCore&) = delete;
   PinnedToOneCore& operator=(const PinnedToOneCore&) = delete;
   ~PinnedToOneCore() {
-    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
-      const pid_t tid = static_cast<pid_t>(std::atoi(entry.path().filename().c_str()));
+    for (const auto& name : files::list("/proc/self/task")) {
+      const pid_t tid = static_cast<pid_t>(std::atoi(name.c_str()));
       const cpu_set_t* mask = &process_mask_;
       for (const auto& [saved_tid, saved_mask] : saved_) {
         if (saved_tid == tid) mask = &saved_mask;

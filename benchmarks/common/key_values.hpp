@@ -3,14 +3,14 @@
 // Reading `key=value` lines printed by an anchor program (a Python script run beside a C++
 // benchmark), and finding a Python whose PyTorch has a given module.
 
+#include "benchmarks/common/files.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <limits>
 #include <map>
 #include <string>
-#include <system_error>
 #include <vector>
 
 namespace stagewise::bench {
@@ -48,15 +48,12 @@ inline double value_or_nan(const std::map<std::string, double>& values, const st
 /// file, if it has one, so that whoever maintains the root does not tear it down (and end the
 /// anchor's processes) meanwhile; with USE_LIBUV=0, and LD_LIBRARY_PATH set to `library_path`
 /// (a path inside the root), or unset when that is empty (the host's paths mean nothing there).
-inline std::string chroot_command(const std::filesystem::path& dir,
-                                  const std::string& library_path = "") {
-  std::error_code ec;
-  const auto lock = dir.string() + ".lock";
-  const std::string locked =
-      std::filesystem::exists(lock, ec) ? "flock -w 600 '" + lock + "' " : std::string();
+inline std::string chroot_command(const std::string& dir, const std::string& library_path = "") {
+  const auto lock = dir + ".lock";
+  const std::string locked = files::exists(lock) ? "flock -w 600 '" + lock + "' " : std::string();
   const std::string library =
       library_path.empty() ? "-u LD_LIBRARY_PATH" : "LD_LIBRARY_PATH=" + library_path;
-  return locked + "chroot '" + dir.string() + "' env " + library + " USE_LIBUV=0 ";
+  return locked + "chroot '" + dir + "' env " + library + " USE_LIBUV=0 ";
 }
 
 /// A Python that has `module` (e.g. torch.distributed.pipelining): "python3 " if the system's has
@@ -66,17 +63,16 @@ inline std::string python_with(const std::string& module, std::string& root) {
   const std::string probe = " -c 'import " + module + "' >/dev/null 2>&1";
   root.clear();
   if (std::system(("/usr/bin/python3" + probe).c_str()) == 0) return "/usr/bin/python3 ";
-  std::vector<std::filesystem::path> candidates;
+  std::vector<std::string> candidates;
   if (const char* dir = std::getenv("STAGEWISE_PYTHON_ROOT")) candidates.emplace_back(dir);
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/var/cache/stagewise", ec)) {
-    candidates.push_back(e.path());
+  for (const auto& name : files::list("/var/cache/stagewise")) {
+    candidates.push_back(files::join("/var/cache/stagewise", name));
   }
   for (const auto& dir : candidates) {
-    if (!std::filesystem::exists(dir / "usr/bin/python3", ec)) continue;
+    if (!files::exists(files::join(dir, "usr/bin/python3"))) continue;
     const std::string chroot = chroot_command(dir);
     if (std::system((chroot + "python3" + probe).c_str()) == 0) {
-      root = dir.string();
+      root = dir;
       return chroot + "python3 ";
     }
   }
@@ -84,17 +80,16 @@ inline std::string python_with(const std::string& module, std::string& root) {
 }
 
 /// The first directory of LD_LIBRARY_PATH that holds an OpenBLAS `libblas.so.3` (what
-/// `--blas=openblas` puts there), or an empty path.
-inline std::filesystem::path openblas_dir_in_library_path() {
+/// `--blas=openblas` puts there), or an empty string.
+inline std::string openblas_dir_in_library_path() {
   const char* path = std::getenv("LD_LIBRARY_PATH");
   std::string rest = path ? path : "";
-  std::error_code ec;
   while (!rest.empty()) {
     const auto colon = rest.find(':');
-    const std::filesystem::path dir = rest.substr(0, colon);
+    const std::string dir = rest.substr(0, colon);
     rest = colon == std::string::npos ? "" : rest.substr(colon + 1);
-    if (dir.string().find("openblas") != std::string::npos &&
-        std::filesystem::exists(dir / "libblas.so.3", ec)) {
+    if (dir.find("openblas") != std::string::npos &&
+        files::exists(files::join(dir, "libblas.so.3"))) {
       return dir;
     }
   }
@@ -117,33 +112,31 @@ inline std::map<std::string, double> run_anchor(const std::string& script,
   std::string path = script;
   if (!root.empty()) {
     // The script and the helpers it imports, into the root's /tmp.
-    const auto from = std::filesystem::path(script);
-    const auto inside = std::filesystem::path("/tmp/stagewise_anchors");
-    std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(root) / inside.relative_path(), ec);
-    for (const auto& name : {from.filename(), std::filesystem::path("anchor_common.py")}) {
-      std::filesystem::copy_file(from.parent_path() / name,
-                                 std::filesystem::path(root) / inside.relative_path() / name,
-                                 std::filesystem::copy_options::overwrite_existing, ec);
-      if (ec) return {};
-    }
-    path = (inside / from.filename()).string();
-    if (const auto openblas = openblas_dir_in_library_path(); !openblas.empty()) {
-      const auto blas = std::filesystem::path("/tmp/stagewise_openblas");
-      const auto target = std::filesystem::path(root) / blas.relative_path();
-      std::filesystem::create_directories(target, ec);
-      for (const auto& f : std::filesystem::directory_iterator(openblas, ec)) {
-        const auto to = target / f.path().filename();
-        if (f.is_symlink(ec)) {  // libopenblas.so.0 -> the library: a link, not a second copy
-          if (!std::filesystem::is_symlink(to, ec))
-            std::filesystem::copy_symlink(f.path(), to, ec);
-        } else {
-          std::filesystem::copy_file(f.path(), to, std::filesystem::copy_options::update_existing,
-                                     ec);
-        }
-        if (ec) return {};
+    const std::string inside = "/tmp/stagewise_anchors";
+    const std::string target = root + inside;
+    files::make_directories(target);
+    for (const auto& name : {files::filename(script), std::string("anchor_common.py")}) {
+      if (!files::copy_file(files::join(files::parent(script), name), files::join(target, name))) {
+        return {};
       }
-      python = chroot_command(root, blas.string()) + "python3 ";
+    }
+    path = files::join(inside, files::filename(script));
+    if (const auto openblas = openblas_dir_in_library_path(); !openblas.empty()) {
+      const std::string blas = "/tmp/stagewise_openblas";
+      const std::string blas_target = root + blas;
+      files::make_directories(blas_target);
+      for (const auto& name : files::list(openblas)) {
+        const auto from = files::join(openblas, name);
+        const auto to = files::join(blas_target, name);
+        bool ok = true;
+        if (files::is_symlink(from)) {  // libopenblas.so.0 -> the library: a link, not a copy
+          if (!files::is_symlink(to)) ok = files::copy_symlink(from, to);
+        } else {
+          ok = files::copy_file(from, to, /*only_if_newer=*/true);
+        }
+        if (!ok) return {};
+      }
+      python = chroot_command(root, blas) + "python3 ";
     }
   }
   return run_key_values("timeout 600 " + python + path + " " + args + " 2>/dev/null");

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace stagewise::bench {
@@ -28,6 +30,16 @@ inline Summary summarize(std::vector<double> samples) {
   s.max = samples.back();
   s.median = n % 2 == 1 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2;
   return s;
+}
+
+/// A figure for a summary line: three decimals, or "nan" (a figure that could not be measured).
+///   fixed3(1.23456) == "1.235"
+inline std::string fixed3(double v) {
+  if (std::isnan(v)) return "nan";
+  std::ostringstream s;
+  s.precision(3);
+  s << std::fixed << v;
+  return s.str();
 }
 
 }  // namespace stagewise::bench

@@ -4,6 +4,7 @@
 #include "stagewise/core/stage_spec.hpp"
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/nn/deferred_batch_norm.hpp"
+#include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
@@ -64,22 +65,17 @@ class PipeImpl : public torch::nn::Module {
       // Every stash/pop problem of the layers, collected into one message.
       skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
     }
-    const auto& devices = options_.devices();
-    TORCH_CHECK(devices.empty() || devices.size() >= specs.size(),
-                "stagewise::Pipe: ", specs.size(), " stages but only ", devices.size(),
-                " devices; give one device per stage (devices may repeat, e.g. torch::kCPU for "
-                "all), or fewer stages");
+    const auto devices = detail::place_stage_modules(specs, options_.devices(), "stagewise::Pipe",
+                                              [](std::size_t) { return true; });
     for (std::size_t k = 0; k < specs.size(); ++k) {
-      const torch::Device device = devices.empty() ? torch::Device(torch::kCPU) : devices[k];
-      if (specs[k].module) {
-        register_module("stage" + std::to_string(k), specs[k].module);
-        if (device.type() != torch::kCPU) specs[k].module->to(device);
-      }
-      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), device));
+      if (specs[k].module) register_module("stage" + std::to_string(k), specs[k].module);
+      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), devices[k]));
     }
   }
 
-  /// Runs the pipeline on one tensor; see the class comment. An empty pipe returns `x`.
+  /// Runs the pipeline on one tensor; see the class comment. `x` may be on any device (each
+  /// micro-batch moves to stage 0's); the output is on the last stage's device. An empty pipe
+  /// returns `x`.
   torch::Tensor forward(const torch::Tensor& x) {
     Batch out = forward_batch(Batch(x));
     TORCH_CHECK(out.atomic(), "stagewise::Pipe::forward: the last stage returned ", out.size(),
@@ -102,7 +98,9 @@ class PipeImpl : public torch::nn::Module {
   /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
   /// micro-batch's loss is weighted by its share of the rows. Every tensor of `input` and `target`
   /// must have the same, positive number of rows, and `loss_fn` must return a scalar: anything
-  /// else is an error naming the fix. An exception from a stage keeps its type and text and
+  /// else is an error naming the fix. `input` and `target` may be on any device: each
+  /// micro-batch's input moves to stage 0's device and its target to the last stage's, where
+  /// `loss_fn` runs; the returned loss is on the last stage's device. An exception from a stage keeps its type and text and
   /// records its stage, micro-batch and phase (`error_context`). The schedule is verified before
   /// anything runs. An interleaved schedule runs the pipe's v x K stages on the first K stages'
   /// workers (stage k on worker k % K). If `timeline` is given, it receives every action's start
@@ -172,6 +170,13 @@ class PipeImpl : public torch::nn::Module {
     if (!skips_->empty()) {
       step.skips =
           std::make_shared<detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
+    }
+    // Each micro-batch's input on stage 0's device and its target on the last stage's, moved
+    // here on the caller's thread, after the caller's streams (the fence) and before any worker.
+    runtime::StreamFence fence(stages_);
+    for (std::size_t i = 0; i < step.inputs.size(); ++i) {
+      step.inputs[i] = stages_.front()->receive(step.inputs[i], nullptr, i);
+      step.targets[i] = stages_.back()->receive(step.targets[i], nullptr, i);
     }
     if (before) before(m);
     // The pipe's worker pool: plan.workers threads. In one process a plan never has more workers

@@ -15,6 +15,7 @@
 #include "stagewise/coro/generator.hpp"
 #include "stagewise/pipe.hpp"
 #include "stagewise/pipe/options.hpp"
+#include "stagewise/pipe/placement.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/rng_section.hpp"

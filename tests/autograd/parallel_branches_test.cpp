@@ -379,6 +379,43 @@ TEST_SUITE("parallel branches: threads") {
     CHECK(x.grad().equal(torch::full({2}, 2.0f)));
   }
 
+  TEST_CASE(
+      "a branch whose graph reaches another device runs its backward on the node's thread, the "
+      "CPU branches still on the pool") {
+    // The meta device stands in for CUDA: its nodes are not CPU nodes, so its branch takes the
+    // path a CUDA branch takes (see docs/parallel_backward.md, On CUDA), on a machine without one.
+    auto pool = std::make_shared<sw::ThreadPool>(2);
+    Rendezvous meet(2);
+    std::vector<std::thread::id> ids(3);
+    std::vector<int> met(3);
+    std::vector<std::function<void()>> hooks;
+    hooks.push_back([&] { ids[0] = std::this_thread::get_id(); });
+    for (int i = 1; i < 3; ++i) {
+      hooks.push_back([&, i] {
+        ids[i] = std::this_thread::get_id();
+        met[i] = meet.arrive();
+      });
+    }
+    auto on_meta =
+        torch::empty({2}, torch::TensorOptions().device(torch::kMeta)).requires_grad_(true);
+    auto x = torch::ones({2}, torch::requires_grad());
+    auto outs = sw::parallel_branches(
+        {[&](const torch::Tensor& t) { return BackwardHook::apply(t * 2, &hooks[0]); },
+         [&](const torch::Tensor& t) { return BackwardHook::apply(t * 3, &hooks[1]); },
+         [&](const torch::Tensor& t) { return BackwardHook::apply(t * 4, &hooks[2]); }},
+        {on_meta, x, x}, pool);
+    CHECK(outs[0].device().type() == torch::kMeta);
+    torch::autograd::backward({outs[0].sum(), outs[1].sum(), outs[2].sum()});
+    CHECK(ids[0] == std::this_thread::get_id());
+    CHECK(met[1]);
+    CHECK(met[2]);
+    CHECK(ids[1] != ids[2]);
+    REQUIRE(on_meta.grad().defined());
+    CHECK(on_meta.grad().device().type() == torch::kMeta);
+    CHECK(on_meta.grad().sizes() == on_meta.sizes());
+    CHECK(x.grad().equal(torch::full({2}, 7.0f)));
+  }
+
   TEST_CASE("under no-grad the branches run in parallel and nothing is recorded") {
     auto pool = std::make_shared<sw::ThreadPool>(2);
     Rendezvous meet(2);

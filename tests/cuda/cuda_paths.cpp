@@ -25,7 +25,7 @@ torch::Tensor copy_between_streams(const torch::Tensor& x) {
   torch::Tensor y = sw::runtime::copy_to(x, gpu, compute, copy, compute);
   sw::runtime::record_stream(y, copy);
   const c10::cuda::CUDAStream pooled(sw::runtime::new_stream(gpu));
-  const c10::cuda::CUDAStream current(sw::runtime::default_stream(gpu));
+  const c10::cuda::CUDAStream current(sw::runtime::current_stream(gpu));
   {
     c10::cuda::CUDAStreamGuard guard(pooled);
     at::cuda::CUDAEvent done;

@@ -1,5 +1,6 @@
 #include "stagewise/pipe.hpp"
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "tests/support/errors.hpp"
@@ -113,6 +114,61 @@ TEST_SUITE("pipe construction") {
             sw::Pipe(seq, sw::balance{1, 1, 1}, sw::PipeOptions().devices({torch::kCPU, torch::kCPU}));
           }),
           "3 stages but only 2 devices; give one device per stage"));
+  }
+
+  TEST_CASE("more devices than stages is an error") {
+    auto seq = three_linears();
+    CHECK(contains(error_of([&] {
+            sw::Pipe(seq, sw::balance{2, 1},
+                     sw::PipeOptions().devices({torch::kCPU, torch::kCPU, torch::kCPU}));
+          }),
+          "stagewise::Pipe: 2 stages but 3 devices; give exactly one device per stage"));
+  }
+
+  TEST_CASE("a device that is neither the CPU nor CUDA is an error") {
+    auto seq = three_linears();
+    CHECK(contains(error_of([&] {
+            sw::Pipe(seq, sw::balance{2, 1}, sw::PipeOptions().devices({torch::kCPU, torch::kMeta}));
+          }),
+          "stagewise::Pipe: stage 1 is given device meta; stages run on the CPU or on CUDA GPUs"));
+  }
+
+  TEST_CASE("a CUDA device on a machine without one is an error naming the fix") {
+    if (torch::cuda::is_available()) return;  // the machine has one: nothing to refuse
+    auto seq = three_linears();
+    const auto text = error_of([&] {
+      sw::Pipe(seq, sw::balance{2, 1},
+               sw::PipeOptions().devices({torch::kCPU, torch::Device(torch::kCUDA, 0)}));
+    });
+    CHECK(contains(text, "stagewise::Pipe: stage 1 is given cuda:0 but no CUDA GPU is available"));
+    CHECK(contains(text, "place it on torch::kCPU"));
+    // Nothing was moved: the model is usable as it was.
+    for (const auto& p : seq->parameters()) CHECK(p.device() == torch::Device(torch::kCPU));
+  }
+
+  TEST_CASE("a stage whose module spans two devices is an error when no devices are given") {
+    // One parameter on the CPU and one on the meta device stand for a model split by hand.
+    struct SplitImpl : torch::nn::Module {
+      SplitImpl()
+          : a(register_parameter("a", torch::ones({2}))),
+            b(register_parameter("b", torch::empty({2}, torch::kMeta))) {}
+      torch::Tensor forward(torch::Tensor x) { return x; }
+      torch::Tensor a, b;
+    };
+    torch::nn::Sequential seq(torch::nn::Linear(2, 2), std::make_shared<SplitImpl>());
+    CHECK(contains(error_of([&] { sw::Pipe(seq, sw::balance{1, 1}); }),
+                   "stagewise::Pipe: stage 1 has tensors on cpu and on meta; a stage runs on one "
+                   "device. Give PipeOptions().devices({...})"));
+  }
+
+  TEST_CASE("without devices each stage runs where its module is; with devices it is moved there") {
+    auto seq = three_linears();
+    auto pipe = sw::Pipe(seq, sw::balance{2, 1});
+    CHECK(pipe->device(0) == torch::Device(torch::kCPU));
+    CHECK(pipe->device(1) == torch::Device(torch::kCPU));
+    auto pipe2 = sw::Pipe(three_linears(), sw::balance{1, 2},
+                          sw::PipeOptions().devices({torch::kCPU, torch::kCPU}));
+    CHECK(pipe2->device(1) == torch::Device(torch::kCPU));
   }
 
   TEST_CASE("the same child twice and a parameter shared by children are errors") {

@@ -196,7 +196,32 @@ TEST_SUITE("balance") {
     CHECK(sw::balance_by_size(2, head, torch::randn({8, 16})) == sw::balance{2, 1});
   }
 
-#if !defined(STAGEWISE_WITH_CUDA)
+#if defined(STAGEWISE_WITH_CUDA)
+  // Built against a CUDA LibTorch (CMake defines STAGEWISE_WITH_CUDA there by itself; Bazel with
+  // --define=stagewise_cuda=1): sizes on a GPU come from the caching allocator's statistics.
+  TEST_CASE("balance by size on CUDA counts activations and parameters from the allocator" *
+            doctest::skip(!torch::cuda::is_available())) {
+    // Sample 8 x 16 floats = 512 bytes: each output is a multiple of 512 bytes, the caching
+    // allocator's smallest block, so its byte counts are exact.
+    torch::nn::Sequential head(Widen(1), Widen(4), Widen(2));
+    const auto on_gpu = sw::BalanceOptions().device(torch::kCUDA);
+    const auto sizes = sw::profile_sizes(head, torch::randn({8, 16}), on_gpu);
+    CHECK(sizes == std::vector<double>{512, 2048, 4096});
+    CHECK(sw::balance_by_size(2, head, torch::randn({8, 16}), on_gpu) == sw::balance{2, 1});
+    const auto scaled = sw::profile_sizes(torch::nn::Sequential(Scale()), torch::randn({8, 16}),
+                                          sw::BalanceOptions().device(torch::kCUDA).param_scale(3));
+    CHECK(scaled == std::vector<double>{512 + 3 * 64});
+    // A model already on the GPU is profiled there by default, and stays there.
+    torch::nn::Sequential model(torch::nn::Linear(16, 16), Widen(4), torch::nn::Linear(64, 4));
+    model->to(torch::kCUDA);
+    const auto b = sw::balance_by_size(2, model, torch::randn({8, 16}));
+    CHECK(b.size() == 2);
+    for (const auto& p : model->parameters()) {
+      CHECK(p.device().is_cuda());
+      CHECK(!p.grad().defined());
+    }
+  }
+#else
   TEST_CASE("sizes on CUDA without the caching allocator's statistics are a clear error") {
     torch::nn::Sequential model(Widen(1), Widen(2));
     const auto message = error_of([&] {

@@ -1,6 +1,6 @@
 #pragma once
 
-// CPU autocast switches for tests, on every LibTorch version: the CPU-specific calls
+// CPU and CUDA autocast switches for tests, on every LibTorch version: the CPU-specific calls
 // (`at::autocast::set_cpu_enabled`) are deprecated from 2.4 in favour of the device-type forms.
 //   stagewise::testing::set_cpu_autocast(true);  ...  stagewise::testing::set_cpu_autocast(false);
 
@@ -24,6 +24,15 @@ inline void set_cpu_autocast(bool enabled) {
   at::autocast::set_cpu_enabled(enabled);
 #else
   at::autocast::set_autocast_enabled(at::kCPU, enabled);
+#endif
+}
+
+/// Turns CUDA autocast on or off for this thread.
+inline void set_cuda_autocast(bool enabled) {
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+  at::autocast::set_enabled(enabled);
+#else
+  at::autocast::set_autocast_enabled(at::kCUDA, enabled);
 #endif
 }
 

@@ -2,20 +2,26 @@
 
 // Counting this process's threads, for tests that check that threads are joined.
 
+#include <dirent.h>
+
 #include <chrono>
 #include <cstddef>
-#include <filesystem>
+#include <cstring>
 #include <thread>
 
 namespace stagewise::testing {
 
-/// The threads of this process now, from /proc/self/task.
+/// The threads of this process now, from /proc/self/task. (POSIX calls, not std::filesystem:
+/// Python's torch wheel exports its own copy of std::filesystem, which a program linked to it
+/// calls by mistake.)
 inline std::size_t thread_count() {
   std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry :
-       std::filesystem::directory_iterator("/proc/self/task")) {
-    ++n;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return 0;
+  while (const dirent* entry = readdir(dir)) {
+    if (std::strcmp(entry->d_name, ".") != 0 && std::strcmp(entry->d_name, "..") != 0) ++n;
   }
+  closedir(dir);
   return n;
 }
 

@@ -27,14 +27,22 @@ using TensorBranch = std::function<torch::Tensor(const torch::Tensor&)>;
 /// as ordinary autograd-connected tensors; when backward reaches them, each branch's backward runs
 /// concurrently too, and the input gradients flow on into the surrounding graph.
 ///
+/// On CUDA, each branch runs on a stream of its own from the device's pool (after the caller's
+/// current stream, which made its inputs; the caller's stream then waits for it, so the outputs
+/// are ready there). Autograd runs a GPU's backward work on one thread per GPU, so the backwards
+/// of branches on a GPU run on that thread one after another, re-entrantly, while their kernels
+/// overlap on the branches' streams; the gradients come back ready on the stream autograd expects.
+/// CPU-only branches of the same call still run their backwards on the pool. Results equal the
+/// sequential branches on CUDA too (docs/parallel_backward.md, "On CUDA").
+///
 /// Use it for independent sub-networks, e.g. the experts of a mixture-of-experts layer or the
 /// towers of a multi-branch block. Results equal running the branches one after another. A branch
 /// gets leaf copies of its inputs, so every tensor it differentiates through must come in through
 /// `inputs` or be a leaf such as a parameter (otherwise: an error naming the fix). Parameters used
-/// by the branches accumulate their `.grad` on the pool threads. The caller's thread-local state
-/// (grad mode, autocast, intra-op thread count) reaches the workers; under no-grad the branches
-/// just run in parallel and nothing is recorded. An exception from any branch, in forward or
-/// backward, reaches the caller unchanged once the other branches finished or were skipped.
+/// by the branches accumulate their `.grad` where their backward runs. The caller's thread-local
+/// state (grad mode, autocast, intra-op thread count) reaches the workers; under no-grad the
+/// branches just run in parallel and nothing is recorded. An exception from any branch, in forward
+/// or backward, reaches the caller unchanged once the other branches finished or were skipped.
 /// A branch whose inputs are all empty (e.g. an expert that got no tokens: zero rows) runs under
 /// no-grad for its output shapes only: it records no graph and costs nothing in backward, and its
 /// parameters get no gradient (they are left undefined, so optimizers skip them), as when a

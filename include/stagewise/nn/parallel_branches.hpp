@@ -49,14 +49,17 @@ struct ParallelBranchesOptions {
   /// Combines the outputs of all branches (in branch order) into one tensor.
   using Reduction = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
 
-  /// The pool that runs the branches, forward and backward; the process-wide one by default.
+  /// The pool that runs the branches' forwards and their CPU backwards; the process-wide one by
+  /// default. (Backwards of branches on a GPU run on autograd's thread for that GPU.)
   TORCH_ARG(std::shared_ptr<ThreadPool>, pool) = default_thread_pool();
   /// What `forward_reduced` does with the outputs; unset by default.
   TORCH_ARG(Reduction, reduction);
 };
 
 /// A container of branch modules (e.g. the experts of a mixture-of-experts layer) whose forward
-/// runs them in parallel with `parallel_branches`, forward and backward alike.
+/// runs them in parallel with `parallel_branches`, forward and backward alike: on the CPU on the
+/// options' pool; on a GPU (after `to(device)`) each branch on a stream of its own, their backwards
+/// launched one after another from autograd's thread for that GPU while their kernels overlap.
 ///
 /// The branches are registered as submodules named "0", "1", ... (or the names given), so
 /// `parameters()`, optimizers, `train()`/`eval()` and `to()` see them. `forward(x)` gives every

@@ -39,7 +39,8 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
 /// i-1's value is forked and joined into micro-batch i's, so backward on each stage runs the
 /// micro-batches in the order m-1 .. 0. A stage's exception is rethrown after its cycle with its
 /// type and text, its stage and micro-batch recorded (`error_context`); later cycles never run.
-/// `skips` routes the skip connections (through portals).
+/// `skips` routes the skip connections (through portals). The input may be on any device: each
+/// micro-batch moves to stage 0's; the output is on the last stage's device.
 inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages,
                               const Batch& input, int64_t chunks, Checkpoint mode, bool training,
                               std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
@@ -49,6 +50,7 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
   const int64_t stop = checkpoint_stop(mode, m, training);
   const bool replay = stop > 0;
   ::stagewise::detail::ForwardSkips portals(std::move(skips), batches.size());
+  StreamFence fence(stages);
 
   std::vector<std::optional<Batch>> outs(static_cast<std::size_t>(n));
   std::vector<Worker*> workers;
@@ -70,7 +72,9 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
         prev.set(0, kept);
         b.set(0, join(b[0], phony));
       }
-      if (c.stage != 0) b = stages[c.stage]->receive(b, stages[c.stage - 1].get(), c.micro);
+      // Stage 0 takes the caller's micro-batch (on this thread's streams) onto its device.
+      const StageRuntime* from = c.stage != 0 ? stages[c.stage - 1].get() : nullptr;
+      b = stages[c.stage]->receive(b, from, c.micro);
       portals.copy_into(b, c.micro, c.stage, stages);
     }
     workers.clear();
@@ -94,6 +98,7 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
       outs[k].reset();
     }
   }
+  fence.leave();  // the caller's streams wait for the outputs before gather reads them
   return gather(batches);
 }
 

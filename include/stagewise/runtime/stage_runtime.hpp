@@ -28,7 +28,7 @@ using cell_wrapper = std::function<Batch(const Batch&, const stage_call&)>;
 /// streams (one per micro-batch, made on demand) and random-number section.
 struct StageRuntime {
   StageRuntime(detail::StageSpec s, torch::Device d)
-      : spec(std::move(s)), device(d), compute(default_stream(d)), rng(d) {}
+      : spec(std::move(s)), device(d), compute(current_stream(d)), rng(d) {}
 
   detail::StageSpec spec;
   torch::Device device;
@@ -42,19 +42,21 @@ struct StageRuntime {
     return copy_streams[micro];
   }
 
-  /// Moves a tensor produced by stage `from` (its device and compute stream; null: a stage in
-  /// another process, whose tensor arrived on its device's default stream) to this stage's
-  /// device, on micro-batch `micro`'s copy stream, recorded for the allocator. Activations,
-  /// gradients and skips all cross devices here.
+  /// Moves a tensor produced by stage `from` (its device and compute stream; null: the caller
+  /// or a stage in another process, whose tensor was written on this thread's current stream of
+  /// its device) to this stage's device, ready for this stage's compute stream, on micro-batch
+  /// `micro`'s copy stream (`copy_to`'s contract). Inputs, targets, activations, gradients and
+  /// skips all cross devices here.
   torch::Tensor take_in(const torch::Tensor& t, const StageRuntime* from, std::size_t micro) {
-    if (!t.defined() || t.device() == device) return t;
-    const c10::Stream source = from != nullptr ? from->compute : default_stream(t.device());
+    if (!t.defined()) return t;
+    const c10::Stream source = from != nullptr ? from->compute : current_stream(t.device());
+    if (t.device() == device && source == compute) return t;
     return copy_to(t, device, source, copy_stream(micro), compute);
   }
 
-  /// Moves a batch produced by stage `from` (null: another process) to this stage.
+  /// Moves a batch produced by stage `from` (null: the caller, or another process) to this stage.
   Batch receive(const Batch& b, const StageRuntime* from, std::size_t micro) {
-    if (from != nullptr && from->device == device) return b;
+    if (from != nullptr && from->device == device && from->compute == compute) return b;
     std::vector<torch::Tensor> out;
     out.reserve(b.size());
     for (const auto& t : b) out.push_back(take_in(t, from, micro));
@@ -97,6 +99,37 @@ struct StageRuntime {
     rng.run(training, [&] { out.emplace(call()); });
     return std::move(*out);
   }
+};
+
+/// Orders a pipe's work after the caller's and the caller's after the pipe's, on every GPU a
+/// stage runs on: at construction each stage's compute stream waits for the calling thread's
+/// current stream of its device (the optimizer's updates, the inputs), and at `leave` (or
+/// destruction) those current streams wait for the stages (the gradients, the loss, the outputs).
+/// Free when they are the same stream, as by default, and on the CPU. Null stages (another
+/// process's) are skipped.
+class StreamFence {
+ public:
+  explicit StreamFence(const std::vector<std::unique_ptr<StageRuntime>>& stages) : stages_(stages) {
+    for (const auto& s : stages_) {
+      if (s) wait_stream(s->compute, current_stream(s->device));
+    }
+  }
+  StreamFence(const StreamFence&) = delete;
+  StreamFence& operator=(const StreamFence&) = delete;
+  ~StreamFence() { leave(); }
+
+  /// Makes the caller's current streams wait for the stages' work so far (once).
+  void leave() {
+    if (left_) return;
+    left_ = true;
+    for (const auto& s : stages_) {
+      if (s) wait_stream(current_stream(s->device), s->compute);
+    }
+  }
+
+ private:
+  const std::vector<std::unique_ptr<StageRuntime>>& stages_;
+  bool left_ = false;
 };
 
 }  // namespace stagewise::runtime

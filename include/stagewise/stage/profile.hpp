@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/runtime/stream.hpp"
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/skip/tracker.hpp"
@@ -204,11 +205,14 @@ inline Batch run_profiled_layer(torch::nn::Sequential& seq, std::size_t i, const
         in_layer_frame(*layer.ptr(), [&] { return call_first(layer, in, i == 0); });
     return any_to_batch(std::move(v), where);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, who, ": ", where, " failed on the sample: ", e.what_without_backtrace(),
-                " Give a sample the model accepts (model->forward(sample) must work).");
+    C10_THROW_ERROR(Error, c10::str(who, ": ", where, " failed on the sample: ",
+                                    e.what_without_backtrace(),
+                                    " Give a sample the model accepts (model->forward(sample) "
+                                    "must work)."));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, who, ": ", where, " failed on the sample: ", e.what(),
-                " Give a sample the model accepts (model->forward(sample) must work).");
+    C10_THROW_ERROR(Error, c10::str(who, ": ", where, " failed on the sample: ", e.what(),
+                                    " Give a sample the model accepts (model->forward(sample) "
+                                    "must work)."));
   }
 }
 
@@ -225,7 +229,8 @@ inline void backward_of(const Batch& out) {
 
 inline Batch sample_on(const Batch& sample, torch::Device device) {
   std::vector<torch::Tensor> out;
-  for (std::size_t i = 0; i < sample.size(); ++i) out.push_back(sample[i].detach().to(device));
+  for (std::size_t i = 0; i < sample.size(); ++i)
+    out.push_back(runtime::copy_to(sample[i].detach(), device));
   return sample.atomic() ? Batch(out[0]) : Batch(std::move(out));
 }
 
@@ -240,6 +245,10 @@ inline int64_t allocated_bytes(torch::Device device, const char* who) {
 #if defined(STAGEWISE_WITH_CUDA)
   if (device.is_cuda()) {
     const auto index = device.has_index() ? device.index() : c10::DeviceIndex{0};
+    // The allocator's statistics exist once CUDA is initialized, which LibTorch does lazily, on
+    // the first CUDA tensor; before that getDeviceStats fails ("did you call init?"). An empty
+    // tensor initializes CUDA and allocates nothing.
+    (void)torch::empty({0}, torch::TensorOptions().device(device));
     // Entry 0 is StatType::AGGREGATE (all pools), whose header moved in LibTorch 2.x.
     return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].current;
   }

@@ -2,6 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/pipe.hpp"
+#include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/distributed/detail/step_values.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
@@ -132,17 +133,17 @@ class Pipe {
       signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
     runtime::check_same_model(connection_, signatures, prefix_ + "/model", dist_.connect_.timeout);
-    const auto& devices = options_.devices();
+    const auto devices = ::stagewise::detail::place_stage_modules(
+        specs, options_.devices(), "stagewise::distributed::Pipe",
+        [&](std::size_t k) { return rank_of(static_cast<int>(k)) == rank(); });
     for (int j = 0; j < n; ++j) {
       if (rank_of(j) != rank()) {
         stages_.push_back(nullptr);  // another rank's: its parameters are dropped here
         continue;
       }
       const auto k = static_cast<std::size_t>(j);
-      const torch::Device device = devices.size() > k ? devices[k] : torch::Device(torch::kCPU);
-      if (specs[k].module && device.type() != torch::kCPU) specs[k].module->to(device);
       if (specs[k].module) modules_.push_back(specs[k].module);
-      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), device));
+      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), devices[k]));
     }
     std::vector<schedule::SkipRoute> routes;
     for (const auto& r : skips_->routes()) {
@@ -289,6 +290,12 @@ class Pipe {
       step.skips = std::make_shared<::stagewise::detail::TrainSkips>(skips_, stages_.size(),
                                                                      static_cast<std::size_t>(m));
     }
+    // This rank's inputs on stage 0's device and targets on the last stage's (see Pipe).
+    runtime::StreamFence fence(stages_);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(m); ++i) {
+      if (first) step.inputs[i] = stages_.front()->receive(step.inputs[i], nullptr, i);
+      if (last) step.targets[i] = stages_.back()->receive(step.targets[i], nullptr, i);
+    }
     if (before) before(m);
     transport_->begin_step(n, m, static_cast<int>(routes_.size()));
     // Every receive of the step is posted now, in the verified order: messages travel while this
@@ -303,6 +310,7 @@ class Pipe {
       }
     }
     torch::Tensor loss = runtime::run_programs(stages_, plan, step, *transport_, workers);
+    fence.leave();  // the loss is read on this thread next
     // The last stage's rank has the loss; every rank returns it.
     const int last_rank = rank_of(n - 1);
     if (last) {

@@ -5,6 +5,7 @@
 #include "stagewise/runtime/c10d/header.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/stream.hpp"
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/types.h>
@@ -55,13 +56,13 @@ class C10dReceiver : protected C10dFailures {
                                       const MessageKey& k) {
     std::vector<std::int64_t> words;
     {
-      auto cpu = fixed.cpu();
+      auto cpu = copy_to(fixed, torch::kCPU);
       const auto rest = detail::header_rest(cpu);
       words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
       if (rest > 0) {
         auto more = torch::empty({rest}, fixed.options());
         if (!receive(more, src, tag, k)) return std::nullopt;
-        auto m = more.cpu();
+        auto m = copy_to(more, torch::kCPU);
         words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
       }
     }

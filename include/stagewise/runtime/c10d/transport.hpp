@@ -7,6 +7,7 @@
 #include "stagewise/runtime/c10d/receiver.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/stream.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/comms.hpp"
 
@@ -161,16 +162,19 @@ class C10dTransport : private detail::C10dReceiver {
         {std::max<std::int64_t>(detail::kHeaderWords, static_cast<std::int64_t>(words.size()))},
         torch::kInt64);
     std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
-    out.push_back(header.narrow(0, 0, detail::kHeaderWords).to(options_.device_));
+    // Onto the transport's device through the one crossing helper (this is the sending stage's
+    // worker: its current stream is the stage's compute stream).
+    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device_));
     if (header.numel() > detail::kHeaderWords) {
-      out.push_back(header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
-                        .contiguous()
-                        .to(options_.device_));
+      out.push_back(copy_to(
+          header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
+              .contiguous(),
+          options_.device_));
     }
     std::int64_t bytes = 0;
     for (const auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
-        out.push_back(t.detach().to(options_.device_).contiguous());
+        out.push_back(copy_to(t.detach(), options_.device_).contiguous());
         bytes += static_cast<std::int64_t>(out.back().nbytes());
       }
     }

@@ -2,6 +2,7 @@
 
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
+#include "stagewise/runtime/stream.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
@@ -72,7 +73,7 @@ inline int wait_int(const runtime::Connection& c, const std::string& key,
 // A 0-dim tensor, bit for bit: its dtype, then its bytes.
 inline void publish_tensor(const runtime::Connection& c, const std::string& key,
                            const torch::Tensor& t) {
-  const auto cpu = t.detach().to(torch::kCPU).contiguous();
+  const auto cpu = runtime::copy_to(t.detach(), torch::kCPU).contiguous();
   std::vector<std::uint8_t> bytes(1 + cpu.nbytes());
   bytes[0] = static_cast<std::uint8_t>(cpu.scalar_type());
   std::memcpy(bytes.data() + 1, cpu.data_ptr(), cpu.nbytes());
