@@ -66,7 +66,7 @@ class PipeImpl : public torch::nn::Module {
       skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
     }
     const auto devices = detail::place_stage_modules(specs, options_.devices(), "stagewise::Pipe",
-                                              [](std::size_t) { return true; });
+                                                     [](std::size_t) { return true; });
     for (std::size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].module) register_module("stage" + std::to_string(k), specs[k].module);
       stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), devices[k]));
@@ -100,11 +100,11 @@ class PipeImpl : public torch::nn::Module {
   /// must have the same, positive number of rows, and `loss_fn` must return a scalar: anything
   /// else is an error naming the fix. `input` and `target` may be on any device: each
   /// micro-batch's input moves to stage 0's device and its target to the last stage's, where
-  /// `loss_fn` runs; the returned loss is on the last stage's device. An exception from a stage keeps its type and text and
-  /// records its stage, micro-batch and phase (`error_context`). The schedule is verified before
-  /// anything runs. An interleaved schedule runs the pipe's v x K stages on the first K stages'
-  /// workers (stage k on worker k % K). If `timeline` is given, it receives every action's start
-  /// and end in microseconds (see `schedule::to_chrome_trace`).
+  /// `loss_fn` runs; the returned loss is on the last stage's device. An exception from a stage
+  /// keeps its type and text and records its stage, micro-batch and phase (`error_context`). The
+  /// schedule is verified before anything runs. An interleaved schedule runs the pipe's v x K
+  /// stages on the first K stages' workers (stage k on worker k % K). If `timeline` is given, it
+  /// receives every action's start and end in microseconds (see `schedule::to_chrome_trace`).
   ///   sw::schedule::Timeline t;
   ///   pipe->train_step(x, y, loss_fn, sw::schedule::zero_bubble_h1{}, &t);
   template <schedule::pipeline_schedule Schedule = schedule::gpipe>
@@ -174,10 +174,8 @@ class PipeImpl : public torch::nn::Module {
     // Each micro-batch's input on stage 0's device and its target on the last stage's, moved
     // here on the caller's thread, after the caller's streams (the fence) and before any worker.
     runtime::StreamFence fence(stages_);
-    for (std::size_t i = 0; i < step.inputs.size(); ++i) {
-      step.inputs[i] = stages_.front()->receive(step.inputs[i], nullptr, i);
-      step.targets[i] = stages_.back()->receive(step.targets[i], nullptr, i);
-    }
+    stages_.front()->receive_from_caller(step.inputs);
+    stages_.back()->receive_from_caller(step.targets);
     if (before) before(m);
     // The pipe's worker pool: plan.workers threads. In one process a plan never has more workers
     // than stages, so the pool is the stages' own threads (worker w on stage w's thread).

@@ -14,6 +14,7 @@
 
 #include "tests/support/autocast.hpp"
 #include "tests/support/errors.hpp"
+#include "tests/support/grads.hpp"
 
 #include <doctest/doctest.h>
 
@@ -132,15 +133,8 @@ torch::Tensor loss_of(const std::vector<torch::Tensor>& outs) {
   return loss;
 }
 
-std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& t : tensors) grads.push_back(t.grad().defined() ? t.grad().clone() : t.grad());
-  return grads;
-}
-
-void zero_grads(const std::vector<torch::Tensor>& tensors) {
-  for (const auto& t : tensors) t.mutable_grad().reset();
-}
+using stagewise::testing::grads_of;
+using stagewise::testing::zero_grads;
 
 bool all_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                double rtol = 1e-5, double atol = 1e-6) {

@@ -9,6 +9,7 @@
 #include <torch/version.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/grads.hpp"
 #include "tests/support/threads.hpp"
 
 #include <doctest/doctest.h>
@@ -64,15 +65,8 @@ torch::nn::Sequential mlp(int64_t in, int64_t hidden, int64_t out) {
                                torch::nn::Linear(hidden, out));
 }
 
-std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& t : tensors) grads.push_back(t.grad().defined() ? t.grad().clone() : t.grad());
-  return grads;
-}
-
-void zero_grads(const std::vector<torch::Tensor>& tensors) {
-  for (const auto& t : tensors) t.mutable_grad().reset();
-}
+using stagewise::testing::grads_of;
+using stagewise::testing::zero_grads;
 
 bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;

@@ -11,6 +11,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -37,6 +38,16 @@ struct StageRuntime {
   std::vector<c10::Stream> copy_streams;
   Worker worker;  // last: destroyed (joined) first
 
+  // The stream that wrote `t`: stage `from`'s compute stream, or (null) this thread's current one.
+  c10::Stream source_of(const torch::Tensor& t, const StageRuntime* from) const {
+    return from != nullptr ? from->compute : current_stream(t.device());
+  }
+
+  // Whether `t` must cross to this stage's device, or wait for another stream than its compute.
+  bool needs_move(const torch::Tensor& t, const StageRuntime* from) const {
+    return t.defined() && (t.device() != device || source_of(t, from) != compute);
+  }
+
   const c10::Stream& copy_stream(std::size_t micro) {
     while (copy_streams.size() <= micro) copy_streams.push_back(new_stream(device));
     return copy_streams[micro];
@@ -48,20 +59,29 @@ struct StageRuntime {
   /// `micro`'s copy stream (`copy_to`'s contract). Inputs, targets, activations, gradients and
   /// skips all cross devices here.
   torch::Tensor take_in(const torch::Tensor& t, const StageRuntime* from, std::size_t micro) {
-    if (!t.defined()) return t;
-    const c10::Stream source = from != nullptr ? from->compute : current_stream(t.device());
-    if (t.device() == device && source == compute) return t;
-    return copy_to(t, device, source, copy_stream(micro), compute);
+    if (!needs_move(t, from)) return t;
+    return copy_to(t, device, source_of(t, from), copy_stream(micro), compute);
   }
 
-  /// Moves a batch produced by stage `from` (null: the caller, or another process) to this stage.
+  /// Moves a batch produced by stage `from` (null: the caller, or another process) to this stage;
+  /// the batch itself when nothing in it has to move.
   Batch receive(const Batch& b, const StageRuntime* from, std::size_t micro) {
-    if (from != nullptr && from->device == device && from->compute == compute) return b;
+    if (std::none_of(b.begin(), b.end(), [&](const auto& t) { return needs_move(t, from); })) {
+      return b;
+    }
     std::vector<torch::Tensor> out;
     out.reserve(b.size());
     for (const auto& t : b) out.push_back(take_in(t, from, micro));
     if (b.atomic()) return Batch(std::move(out.front()));
     return Batch(std::move(out));
+  }
+
+  /// Moves every micro-batch the caller gives (on this thread's streams) to this stage, in place:
+  /// a step's inputs to stage 0, its targets to the last stage.
+  void receive_from_caller(std::vector<Batch>& micro_batches) {
+    for (std::size_t i = 0; i < micro_batches.size(); ++i) {
+      micro_batches[i] = receive(micro_batches[i], nullptr, i);
+    }
   }
 
   /// Runs the stage on this thread: plainly, or checkpointed (`checkpointed`), inside the

@@ -292,10 +292,8 @@ class Pipe {
     }
     // This rank's inputs on stage 0's device and targets on the last stage's (see Pipe).
     runtime::StreamFence fence(stages_);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(m); ++i) {
-      if (first) step.inputs[i] = stages_.front()->receive(step.inputs[i], nullptr, i);
-      if (last) step.targets[i] = stages_.back()->receive(step.targets[i], nullptr, i);
-    }
+    if (first) stages_.front()->receive_from_caller(step.inputs);
+    if (last) stages_.back()->receive_from_caller(step.targets);
     if (before) before(m);
     transport_->begin_step(n, m, static_cast<int>(routes_.size()));
     // Every receive of the step is posted now, in the verified order: messages travel while this
