@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
   const auto devices = sw::place_stages(3, flag.substr(9));
   for (std::size_t k = 0; k < 3; ++k) std::printf("stage %zu on %s\n", k, devices[k].str().c_str());
   at::globalContext().setAllowTF32CuDNN(false);  // full fp32 convolutions, to compare with the CPU
-  // oneDNN's convolutions sum in an order that depends on the threads at hand (LibTorch 2.6 with
-  // oneDNN 3.7): the plain kernels, for a comparison with the unsplit model that means something.
+  // Debian 13's LibTorch 2.6 gets wrong input gradients from oneDNN's convolution backward
+  // (docs/ci.md): ATen's own kernels, for a comparison with the unsplit model that means something.
   at::globalContext().setUserEnabledMkldnn(false);
   torch::manual_seed(0);
   Down<Level1> d1(3, 8);

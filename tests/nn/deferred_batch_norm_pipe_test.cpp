@@ -136,7 +136,8 @@ const sw::Checkpoint modes[] = {sw::Checkpoint::never, sw::Checkpoint::except_la
 TEST_SUITE("deferred batch norm in a pipe") {
   TEST_CASE("forward: running statistics equal plain batch norm over the whole batch") {
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       // 11 rows in 4 chunks: 3, 3, 3, 2.
       check_against_plain(4, mode, 11,
                           [](sw::Pipe<>& pipe, const torch::Tensor& x, const torch::Tensor& t) {
@@ -149,7 +150,8 @@ TEST_SUITE("deferred batch norm in a pipe") {
 
   TEST_CASE("train_step with gpipe, 1F1B, interleaved 1F1B and ZB-H1") {
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       check_train_step(sched::gpipe{}, mode);
       check_train_step(sched::one_f_one_b{}, mode);
       check_train_step(sched::interleaved_one_f_one_b{2}, mode);

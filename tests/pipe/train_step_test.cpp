@@ -75,7 +75,8 @@ struct ExpectedError : std::runtime_error {
 TEST_SUITE("train_step") {
   TEST_CASE("gradients and loss equal unpipelined training on the same micro-batches, every mode") {
     for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       torch::manual_seed(3);
       auto seq = mlp();
       auto x = torch::randn({10, 6});  // 10 rows in 4 chunks: 3, 3, 3, 1

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/kernels.hpp"
 
 #include <doctest/doctest.h>
 
@@ -287,7 +288,8 @@ TEST_SUITE("portals in a pipe") {
   TEST_CASE("tensor life 1/0, 2/1 under checkpointing, 0/0 recomputing; freed at the first layer") {
     for (auto mode : modes) {
       for (bool train : {true, false}) {
-        CAPTURE(sw::to_string(mode));
+        const std::string mode_name = sw::to_string(mode);
+        CAPTURE(mode_name);
         CAPTURE(train);
         log().problems.clear();
         log().stash_checks = log().backward_checks = 0;
@@ -378,7 +380,8 @@ TEST_SUITE("skips without gradient") {
 
   TEST_CASE("a skip over an embedding (integer ids) does not break backward") {
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       torch::manual_seed(0);
       auto ids = torch::randint(0, 10, {6, 3});
       compare(
@@ -391,7 +394,8 @@ TEST_SUITE("skips without gradient") {
 
   TEST_CASE("a popped tensor used without gradient does not break backward") {
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       torch::manual_seed(0);
       auto x = torch::randn({6, 4});
       compare(
@@ -407,6 +411,7 @@ TEST_SUITE("skips without gradient") {
 
 TEST_SUITE("U-Net through a pipe") {
   TEST_CASE("split 1, 2 and 3 ways, every mode: same output and input gradient as unsplit") {
+    stagewise::testing::use_plain_convolutions();
     torch::manual_seed(0);
     UNet net;
     auto x = torch::randn({6, 2, 8, 8}, torch::requires_grad());
@@ -423,7 +428,8 @@ TEST_SUITE("U-Net through a pipe") {
       (void)mode;
     };
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       const auto options = sw::PipeOptions().chunks(3).checkpoint(mode);
       check(
           sw::Pipe(sw::stages(sw::seq(net.d1, net.d2, net.mid, net.u2, net.u1, net.head)), options),
@@ -443,6 +449,7 @@ TEST_SUITE("U-Net through a pipe") {
   }
 
   TEST_CASE("train_step split 1, 2 and 3 ways, every mode: same loss and gradients as unsplit") {
+    stagewise::testing::use_plain_convolutions();
     torch::manual_seed(1);
     UNet net;
     auto x = torch::randn({6, 2, 8, 8});
@@ -460,7 +467,8 @@ TEST_SUITE("U-Net through a pipe") {
       for (std::size_t k = 0; k < params.size(); ++k) CHECK(close(params[k].grad(), expected[k]));
     };
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       const auto options = sw::PipeOptions().chunks(3).checkpoint(mode);
       check(sw::Pipe(sw::stages(sw::seq(net.d1, net.d2, net.mid, net.u2, net.u1, net.head)),
                      options));
@@ -503,7 +511,8 @@ TEST_SUITE("skips in a running pipe") {
 
   TEST_CASE("a skip within a checkpointed stage is replayed by the recompute") {
     for (auto mode : modes) {
-      CAPTURE(sw::to_string(mode));
+      const std::string mode_name = sw::to_string(mode);
+      CAPTURE(mode_name);
       torch::manual_seed(0);
       torch::nn::Linear linear(3, 3);
       auto pipe = sw::Pipe(sw::stages(sw::seq(Stash<E1>(), linear, Pop<E1>()), torch::nn::Tanh()),

@@ -13,6 +13,8 @@
 
 #include <torch/torch.h>
 
+#include "tests/support/kernels.hpp"
+
 #include <doctest/doctest.h>
 
 #include <functional>
@@ -155,9 +157,7 @@ std::vector<Case> cases(sw::balance three, sw::balance four) {
 
 void check_all(const std::function<torch::nn::Sequential()>& model, const torch::Tensor& x,
                const torch::Tensor& t, const std::vector<Case>& all) {
-  // Bit for bit needs kernels that sum in one order: oneDNN's convolutions (LibTorch 2.6 with
-  // oneDNN 3.7) depend on the threads at hand, so the plain ones are used here.
-  at::globalContext().setUserEnabledMkldnn(false);
+  stagewise::testing::use_plain_convolutions();
   for (const auto& c : all) {
     for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
       const std::string mode_name = sw::to_string(mode);
