@@ -5,9 +5,10 @@
 // stands for a device: what it allocates is what its device would hold, until freed on whichever
 // thread). Install it once, before the tensors to be measured exist.
 
+#include "stagewise/core/version.hpp"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,14 +19,6 @@
 #include <unordered_map>
 #include <vector>
 
-// `c10::Allocator::allocate` is `const` in LibTorch 1.x and not in 2.x (it was dropped in 2.3; CI
-// checks 1.13 and 2.6): the override follows the installed version.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define STAGEWISE_BENCH_ALLOCATE_CONST
-#else
-#define STAGEWISE_BENCH_ALLOCATE_CONST const
-#endif
-
 namespace stagewise::bench {
 
 class CountingAllocator final : public c10::Allocator {
@@ -34,7 +27,7 @@ class CountingAllocator final : public c10::Allocator {
 
   // The data pointer is its own context (LibTorch's raw_allocate insists on that); the wrapped
   // allocation and its size wait in a table until the deleter runs.
-  c10::DataPtr allocate(std::size_t n) STAGEWISE_BENCH_ALLOCATE_CONST override {
+  c10::DataPtr allocate(std::size_t n) STAGEWISE_ALLOCATE_CONST override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
     if (data == nullptr) return inner;

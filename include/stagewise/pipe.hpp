@@ -1,7 +1,7 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
-#include "stagewise/core/stage_spec.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
@@ -9,12 +9,12 @@
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
-#include "stagewise/runtime/train_skips.hpp"
+#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/timeline.hpp"
-#include "stagewise/skip/inspect.hpp"
+#include "stagewise/skip/detail/inspect.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/verify.hpp"
 #include "stagewise/stage/partition.hpp"
@@ -164,12 +164,12 @@ class PipeImpl : public torch::nn::Module {
     step.loss_fn = std::move(loss_fn);
     step.training = is_training();
     const int m = static_cast<int>(step.inputs.size());
-    step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
+    step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan =
         schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (!skips_->empty()) {
       step.skips =
-          std::make_shared<detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
+          std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
     }
     // Each micro-batch's input on stage 0's device and its target on the last stage's, moved
     // here on the caller's thread, after the caller's streams (the fence) and before any worker.
@@ -182,7 +182,7 @@ class PipeImpl : public torch::nn::Module {
     TORCH_CHECK(plan.workers <= static_cast<int>(stages_.size()),
                 "stagewise::Pipe::train_step: the schedule plans ", plan.workers, " workers for ",
                 stages_.size(), " stages; a pipe runs at most one worker per stage");
-    std::vector<runtime::Worker*> workers(static_cast<std::size_t>(plan.workers));
+    std::vector<Worker*> workers(static_cast<std::size_t>(plan.workers));
     for (std::size_t w = 0; w < workers.size(); ++w) workers[w] = &stages_[w]->worker;
     begin_mini_batch(step.inputs.size());
     return runtime::run_programs(stages_, plan, step, workers, timeline);

@@ -6,8 +6,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/utils.h>
-#include <torch/version.h>
 
+#include "tests/support/autocast.hpp"
 #include "tests/support/errors.hpp"
 #include "tests/support/grads.hpp"
 #include "tests/support/threads.hpp"
@@ -67,6 +67,7 @@ torch::nn::Sequential mlp(int64_t in, int64_t hidden, int64_t out) {
 
 using stagewise::testing::grads_of;
 using stagewise::testing::zero_grads;
+using stagewise::testing::set_cpu_autocast;
 
 bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
@@ -75,14 +76,6 @@ bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Ten
     if (a[i].defined() && !a[i].equal(b[i])) return false;
   }
   return true;
-}
-
-void set_cpu_autocast(bool enabled) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
-  at::autocast::set_cpu_enabled(enabled);
-#else
-  at::autocast::set_autocast_enabled(at::kCPU, enabled);
-#endif
 }
 
 // CPU autocast on for its lifetime (off and cache cleared afterwards, even on a failed check).

@@ -2,7 +2,8 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
-#include <torch/version.h>
+
+#include "tests/support/autocast.hpp"
 
 #include <doctest/doctest.h>
 
@@ -11,16 +12,9 @@
 #include <vector>
 
 namespace sw = stagewise;
+using stagewise::testing::set_cpu_autocast;
 
 namespace {
-
-void set_cpu_autocast(bool enabled) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
-  at::autocast::set_cpu_enabled(enabled);
-#else
-  at::autocast::set_autocast_enabled(at::kCPU, enabled);
-#endif
-}
 
 // CPU autocast (bf16, the default CPU dtype) for its lifetime; like leaving an autocast region,
 // clears this thread's cast cache at the end.

@@ -1,5 +1,5 @@
 #include "stagewise/pipe.hpp"
-#include "stagewise/runtime/portal_tracker.hpp"
+#include "stagewise/runtime/detail/portal_tracker.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/stage/seq.hpp"
 
@@ -64,19 +64,19 @@ int count_nodes(const std::shared_ptr<torch::autograd::Node>& root, const std::s
 // ---- portal tensor life, as torchgpipe's test_delete_portal_tensor checks it ----
 
 // The portal the stash of this cell will create; filled by CheckedStash in the same cell run.
-thread_local std::shared_ptr<c10::intrusive_ptr<sw::detail::Portal>> pending_slot;
+thread_local std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>> pending_slot;
 
 // Identity whose backward checks that the portal of its micro-batch has released its tensor:
 // by the time backward reaches the first layer, the skip must be freed.
 struct NoPortalTensorAtBackward : torch::autograd::Function<NoPortalTensorAtBackward> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               std::shared_ptr<c10::intrusive_ptr<sw::detail::Portal>>* slot) {
+                               std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>* slot) {
     ctx->saved_data["slot"] = reinterpret_cast<int64_t>(new auto(*slot));
     return x.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list g) {
-    auto* slot = reinterpret_cast<std::shared_ptr<c10::intrusive_ptr<sw::detail::Portal>>*>(
+    auto* slot = reinterpret_cast<std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>*>(
         ctx->saved_data["slot"].toInt());
     const auto& portal = **slot;
     {
@@ -95,7 +95,7 @@ struct NoPortalTensorAtBackward : torch::autograd::Function<NoPortalTensorAtBack
 };
 struct FirstImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
-    pending_slot = std::make_shared<c10::intrusive_ptr<sw::detail::Portal>>();
+    pending_slot = std::make_shared<c10::intrusive_ptr<sw::runtime::detail::Portal>>();
     if (!torch::GradMode::is_enabled()) return x;
     return NoPortalTensorAtBackward::apply(x, &pending_slot);
   }
@@ -111,7 +111,7 @@ int expected_life_after(bool stash) {
 struct CheckedStashImpl : sw::Skippable<CheckedStashImpl, sw::stashes<sx<E1>>> {
   torch::Tensor forward(torch::Tensor x) {
     stash<sx<E1>>(x);
-    auto* cell = sw::detail::PortalCell::current();
+    auto* cell = sw::runtime::detail::PortalCell::current();
     if (cell == nullptr) {
       log().fail("no portal cell installed in a pipe");
       return x;
@@ -134,7 +134,7 @@ TORCH_MODULE(CheckedStash);
 struct CheckedPopImpl : sw::Skippable<CheckedPopImpl, sw::pops<sx<E1>>> {
   torch::Tensor forward(torch::Tensor x) {
     auto skip = pop<sx<E1>>();
-    auto* portal = sw::detail::PortalCell::current()->tracker().portal(sw::skip_info_of<sx<E1>>);
+    auto* portal = sw::runtime::detail::PortalCell::current()->tracker().portal(sw::skip_info_of<sx<E1>>);
     if (portal->tensor_life() != expected_life_after(false)) {
       log().fail("life after pop " + std::to_string(portal->tensor_life()) + ", expected " +
                  std::to_string(expected_life_after(false)));

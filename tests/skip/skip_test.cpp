@@ -1,6 +1,6 @@
 #include "stagewise/pipe.hpp"
 #include "stagewise/skip/layout.hpp"
-#include "stagewise/runtime/portal_tracker.hpp"
+#include "stagewise/runtime/detail/portal_tracker.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/skip/verify.hpp"
 #include "stagewise/stage/seq.hpp"
@@ -279,7 +279,7 @@ TEST_SUITE("skip layout at run time") {
 
 TEST_SUITE("portal tracker") {
   TEST_CASE("tensor life without checkpointing: 1 after the stash, 0 after the pop") {
-    sw::detail::PortalTracker tracker(two_stage_layout());
+    sw::runtime::detail::PortalTracker tracker(two_stage_layout());
     auto blue = tracker.save(info_x1, torch::tensor({2.0}));
     CHECK(blue.defined());
     REQUIRE(tracker.portal(info_x1) != nullptr);
@@ -291,7 +291,7 @@ TEST_SUITE("portal tracker") {
   }
 
   TEST_CASE("tensor life under checkpointing 2/1, and 0/0 while recomputing") {
-    sw::detail::PortalTracker tracker(two_stage_layout());
+    sw::runtime::detail::PortalTracker tracker(two_stage_layout());
     const auto t = torch::tensor({2.0});
     {
       auto scope = sw::detail::checkpointing_scope();
@@ -318,7 +318,7 @@ TEST_SUITE("portal tracker") {
   }
 
   TEST_CASE("a second stash of the same skip reuses the portal") {
-    sw::detail::PortalTracker tracker(two_stage_layout());
+    sw::runtime::detail::PortalTracker tracker(two_stage_layout());
     tracker.save(info_x1, torch::tensor({1.0}));
     auto* first = tracker.portal(info_x1);
     tracker.save(info_x1, torch::tensor({2.0}));
@@ -326,7 +326,7 @@ TEST_SUITE("portal tracker") {
   }
 
   TEST_CASE("a skip within one stage gets no portal; a crossing one does") {
-    sw::detail::PortalTracker tracker(two_stage_layout());
+    sw::runtime::detail::PortalTracker tracker(two_stage_layout());
     tracker.save(info_x1, torch::tensor({1.0}));
     CHECK_FALSE(tracker.save(info_y, torch::tensor({2.0})).defined());
     CHECK(tracker.portal(info_x1) != nullptr);
@@ -337,7 +337,7 @@ TEST_SUITE("portal tracker") {
   }
 
   TEST_CASE("an undefined stash creates no portal and pops as undefined") {
-    sw::detail::PortalTracker tracker(two_stage_layout());
+    sw::runtime::detail::PortalTracker tracker(two_stage_layout());
     CHECK_FALSE(tracker.save(info_x1, torch::Tensor()).defined());
     CHECK(tracker.portal(info_x1) == nullptr);
     CHECK_FALSE(tracker.load(info_x1, sw::phony()).defined());
@@ -354,7 +354,7 @@ TEST_SUITE("stash and pop outside a pipe") {
     CHECK(sw::SkipTracker::of_this_thread().size() == 0);
     CHECK(dynamic_cast<sw::SkipTracker*>(&sw::current_skip_tracker()) ==
           &sw::SkipTracker::of_this_thread());
-    CHECK(sw::detail::PortalCell::current() == nullptr);  // no portal outside a pipe
+    CHECK(sw::runtime::detail::PortalCell::current() == nullptr);  // no portal outside a pipe
   }
 
   TEST_CASE("each thread has its own tracker") {

@@ -4,14 +4,15 @@
 // (`at::autocast::set_cpu_enabled`) are deprecated from 2.4 in favour of the device-type forms.
 //   stagewise::testing::set_cpu_autocast(true);  ...  stagewise::testing::set_cpu_autocast(false);
 
+#include "stagewise/core/version.hpp"
+
 #include <ATen/autocast_mode.h>
-#include <torch/version.h>
 
 namespace stagewise::testing {
 
 /// Whether CPU autocast is on for this thread.
 inline bool cpu_autocast_enabled() {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
   return at::autocast::is_cpu_enabled();
 #else
   return at::autocast::is_autocast_enabled(at::kCPU);
@@ -20,7 +21,7 @@ inline bool cpu_autocast_enabled() {
 
 /// Turns CPU autocast on or off for this thread.
 inline void set_cpu_autocast(bool enabled) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
   at::autocast::set_cpu_enabled(enabled);
 #else
   at::autocast::set_autocast_enabled(at::kCPU, enabled);
@@ -29,7 +30,7 @@ inline void set_cpu_autocast(bool enabled) {
 
 /// Turns CUDA autocast on or off for this thread.
 inline void set_cuda_autocast(bool enabled) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
   at::autocast::set_enabled(enabled);
 #else
   at::autocast::set_autocast_enabled(at::kCUDA, enabled);

@@ -1,8 +1,8 @@
 #pragma once
 
-#include "stagewise/autograd/parallel_branches_node.hpp"
+#include "stagewise/autograd/detail/parallel_branches_node.hpp"
 #include "stagewise/core/phony.hpp"
-#include "stagewise/runtime/thread_pool.hpp"
+#include "stagewise/threads/thread_pool.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>

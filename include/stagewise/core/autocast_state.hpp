@@ -1,17 +1,10 @@
 #pragma once
 
+#include "stagewise/core/version.hpp"
+
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
-#include <torch/version.h>
-
-// LibTorch 2.4 replaced the per-device autocast calls (`is_cpu_enabled`, `set_autocast_cpu_dtype`
-// ...) by device-type forms and deprecated the old ones.
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
-#define STAGEWISE_AUTOCAST_DEVICE_TYPE_API 0
-#else
-#define STAGEWISE_AUTOCAST_DEVICE_TYPE_API 1
-#endif
 
 namespace stagewise {
 
@@ -29,7 +22,7 @@ class AutocastState {
   /// The calling thread's settings now.
   static AutocastState capture() {
     AutocastState s;
-#if STAGEWISE_AUTOCAST_DEVICE_TYPE_API
+#if STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
     s.cpu_enabled_ = at::autocast::is_autocast_enabled(c10::DeviceType::CPU);
     s.cuda_enabled_ = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
     s.cpu_dtype_ = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
@@ -75,7 +68,7 @@ class AutocastState {
 
  private:
   void install() const {
-#if STAGEWISE_AUTOCAST_DEVICE_TYPE_API
+#if STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
     at::autocast::set_autocast_enabled(c10::DeviceType::CPU, cpu_enabled_);
     at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, cuda_enabled_);
     at::autocast::set_autocast_dtype(c10::DeviceType::CPU, cpu_dtype_);

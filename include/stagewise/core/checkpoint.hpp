@@ -1,13 +1,10 @@
 #pragma once
 
-#include "stagewise/core/autocast_state.hpp"
-#include "stagewise/core/checkpoint_state.hpp"
 #include "stagewise/core/dependency.hpp"
+#include "stagewise/core/detail/cell.hpp"
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/core/phony.hpp"
-#include "stagewise/core/rng.hpp"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
 #include <torch/types.h>
@@ -24,16 +21,21 @@ namespace stagewise {
 namespace detail {
 
 using tensors_fn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
-// Runs its argument; a pipe passes one that serializes random-number use across its workers.
-using run_section = std::function<void(const std::function<void()>&)>;
+// A pipe stage's random-number section (runtime::RngSection) as a checkpoint sees it: `run` runs
+// its argument (serializing random-number use across the pipe's workers), `draws_nothing` says
+// whether the stage is known to draw none (then its recompute leaves the generators alone). Empty
+// for a standalone checkpoint: run directly, always replay.
+struct run_section {
+  std::function<void(const std::function<void()>&)> run;
+  std::function<bool()> draws_nothing;
+};
 
 // Shared by one Checkpoint node and its Recompute node.
 struct CheckpointCall : torch::CustomClassHolder {
   tensors_fn fn;
   run_section section;
   std::vector<torch::Tensor> inputs;  // kept until the recompute turns them into leaves
-  std::optional<RngState> rng;
-  AutocastState autocast;  // of the first run, for the recompute
+  std::optional<CellReplay> replay;   // left by the first run for the recompute
   // The pipeline cell this checkpoint runs (stage and micro-batch), named in the context of the
   // exceptions its recompute and backward raise; none for a standalone checkpoint.
   std::optional<ErrorContext> where;
@@ -42,12 +44,13 @@ struct CheckpointCall : torch::CustomClassHolder {
   std::vector<torch::Tensor> leaves;
 
   void run(const std::function<void()>& body) const {
-    if (section) {
-      section(body);
+    if (section.run) {
+      section.run(body);
     } else {
       body();
     }
   }
+  bool replay_rng() const { return !section.draws_nothing || !section.draws_nothing(); }
   torch::Device device() const {
     return inputs.empty() ? torch::Device(torch::kCPU) : inputs.front().device();
   }
@@ -81,14 +84,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
     std::vector<torch::Tensor> out;
     call->run([&] {
-      call->rng = RngState::capture(call->device());
-      call->autocast = AutocastState::capture();
-      torch::NoGradGuard no_grad;
-      // Casts made here have no autograd history: caching them would hand them to a later
-      // forward with grad in the same autocast region, whose parameters would get no gradient.
-      AutocastCacheOff no_cache;
-      auto scope = checkpointing_scope();
-      out = call->fn(call->inputs);
+      call->replay = run_checkpointed(call->device(), [&] { out = call->fn(call->inputs); });
     });
     std::vector<torch::Tensor> non_differentiable;
     for (auto& t : out) {
@@ -150,20 +146,10 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     for (auto& x : call->inputs) leaves.push_back(x.detach().requires_grad_(x.requires_grad()));
     call->in_phase(Phase::recompute, [&] {
       call->run([&] {
-        RngState::Restore replay(*call->rng);
-        AutocastState::Apply autocast(call->autocast);
-        // The recompute caches its casts like its forward would have (a weight used twice casts
-        // once), then drops them: this thread may be an autograd engine thread or may be outside
-        // any autocast region, and nobody else would clear them before the optimizer step.
-        struct ClearCasts {
-          bool on;
-          ~ClearCasts() {
-            if (on) at::autocast::clear_cache();
-          }
-        } clear_casts{call->autocast.enabled() && call->autocast.cache_enabled()};
-        torch::AutoGradMode grad(true);
-        auto scope = recomputing_scope();
-        call->outputs = call->fn(leaves);
+        // This thread may be an autograd engine thread, or outside any autocast region: nobody
+        // else would clear the recompute's casts before the optimizer step.
+        run_recompute(*call->replay, call->replay_rng(), RecomputeCasts::drop,
+                      [&] { call->outputs = call->fn(leaves); });
       });
     });
     call->leaves = std::move(leaves);
@@ -178,7 +164,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 // context of exceptions from the recompute and the backward.
 inline std::vector<torch::Tensor> checkpoint_tensors(tensors_fn fn,
                                                      std::vector<torch::Tensor> inputs,
-                                                     run_section section = nullptr,
+                                                     run_section section = {},
                                                      std::optional<ErrorContext> where = {}) {
   auto call = c10::make_intrusive<CheckpointCall>();
   call->fn = std::move(fn);

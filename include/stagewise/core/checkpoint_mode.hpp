@@ -1,6 +1,9 @@
 #pragma once
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+
+#include <cstdint>
 
 #include <string>
 #include <string_view>
@@ -21,6 +24,21 @@ inline Checkpoint checkpoint_mode(std::string_view name) {
   if (name == "never") return Checkpoint::never;
   TORCH_CHECK(false, "stagewise: unknown checkpoint mode '", std::string(name),
               "'; use \"always\", \"except_last\" or \"never\"");
+}
+
+/// How many of a step's `m` micro-batches `mode` checkpoints: the first `checkpoint_stop` ones;
+/// none in eval mode or under no-grad, where nothing is replayed.
+inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
+  if (!training || !c10::GradMode::is_enabled()) return 0;
+  switch (mode) {
+    case Checkpoint::always:
+      return m;
+    case Checkpoint::except_last:
+      return m - 1;
+    case Checkpoint::never:
+      return 0;
+  }
+  return 0;
 }
 
 inline const char* to_string(Checkpoint mode) {

@@ -2,66 +2,100 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
+#include <torch/cuda.h>
 #include <torch/types.h>
 
+#include <cstddef>
 #include <mutex>
-#include <optional>
 #include <utility>
+#include <vector>
 
 namespace stagewise {
 
-/// A snapshot of the random-number generators a computation on `device` draws from: the CPU
-/// generator always, and the device's own generator when it is not the CPU.
+/// A snapshot of default random-number generators: the CPU generator always, plus those of the
+/// devices asked for. The one place stagewise reads, compares and restores generator states.
 ///
 /// Checkpointing takes one before a forward and restores it around the recompute, so dropout and
-/// other random layers draw the same numbers twice.
+/// other random layers draw the same numbers twice; fused clipping replays a whole closure.
 ///   auto snapshot = stagewise::RngState::capture(x.device());
 ///   ... run something random ...
 ///   { stagewise::RngState::Restore replay(snapshot); ... draws the same numbers again ... }
 class RngState {
  public:
-  /// Captures the generators' states now.
+  /// Captures the CPU generator and, when `device` is not the CPU, that device's generator.
   static RngState capture(const torch::Device& device) {
     RngState s;
-    s.cpu_ = read(at::globalContext().defaultGenerator(torch::kCPU));
-    if (device.type() != torch::kCPU) {
-      s.device_ = device;
-      s.device_state_ = read(at::globalContext().defaultGenerator(device));
+    s.cpu_ = read(torch::kCPU);
+    if (device.type() != torch::kCPU) s.devices_.emplace_back(device, read(device));
+    return s;
+  }
+
+  /// Captures the CPU generator and every CUDA device's (for code that may draw anywhere).
+  static RngState capture_all() {
+    RngState s;
+    s.cpu_ = read(torch::kCPU);
+    if (torch::cuda::is_available()) {
+      for (std::size_t i = 0; i < torch::cuda::device_count(); ++i) {
+        const torch::Device d(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
+        s.devices_.emplace_back(d, read(d));
+      }
     }
     return s;
+  }
+
+  /// Puts the captured generators back at the captured states.
+  void restore() const {
+    write(torch::kCPU, cpu_);
+    for (const auto& [device, state] : devices_) write(device, state);
+  }
+
+  /// Whether every generator captured in both is at the same state in both.
+  bool same_as(const RngState& other) const {
+    if (!cpu_.equal(other.cpu_) || devices_.size() != other.devices_.size()) return false;
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      if (devices_[i].first != other.devices_[i].first ||
+          !devices_[i].second.equal(other.devices_[i].second)) {
+        return false;
+      }
+    }
+    return true;
   }
 
   /// While alive, the generators are at the captured state; on destruction they go back to
   /// where they were, so code outside the replay draws as if nothing had happened.
   class Restore;
 
-  torch::Device device() const { return device_.value_or(torch::Device(torch::kCPU)); }
-
  private:
-  static torch::Tensor read(const at::Generator& gen) {
-    auto g = gen;  // a handle; the lock is the generator's own
+  static at::Generator generator(const torch::Device& device) {
+    return at::globalContext().defaultGenerator(device);
+  }
+  static torch::Tensor read(const torch::Device& device) {
+    auto g = generator(device);  // a handle; the lock is the generator's own
     std::lock_guard<std::mutex> lock(g.mutex());
     return g.get_state();
   }
-  static void write(const at::Generator& gen, const torch::Tensor& state) {
-    auto g = gen;
+  static void write(const torch::Device& device, const torch::Tensor& state) {
+    auto g = generator(device);
     std::lock_guard<std::mutex> lock(g.mutex());
     g.set_state(state);
   }
-  void apply() const {
-    write(at::globalContext().defaultGenerator(torch::kCPU), cpu_);
-    if (device_) write(at::globalContext().defaultGenerator(*device_), device_state_);
+  RngState same_generators_now() const {
+    RngState s;
+    s.cpu_ = read(torch::kCPU);
+    for (const auto& [device, state] : devices_) s.devices_.emplace_back(device, read(device));
+    return s;
   }
 
   torch::Tensor cpu_;
-  std::optional<torch::Device> device_;
-  torch::Tensor device_state_;
+  std::vector<std::pair<torch::Device, torch::Tensor>> devices_;
 };
 
 class RngState::Restore {
  public:
-  explicit Restore(const RngState& saved) : before_(capture(saved.device())) { saved.apply(); }
-  ~Restore() { before_.apply(); }
+  explicit Restore(const RngState& saved) : before_(saved.same_generators_now()) {
+    saved.restore();
+  }
+  ~Restore() { before_.restore(); }
   Restore(const Restore&) = delete;
   Restore& operator=(const Restore&) = delete;
 

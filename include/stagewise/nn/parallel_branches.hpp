@@ -1,7 +1,7 @@
 #pragma once
 
 #include "stagewise/autograd/parallel_branches.hpp"
-#include "stagewise/runtime/thread_pool.hpp"
+#include "stagewise/threads/thread_pool.hpp"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>

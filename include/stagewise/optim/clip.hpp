@@ -1,59 +1,21 @@
 #pragma once
 
-#include "stagewise/optim/fused_slot.hpp"
+#include "stagewise/core/rng.hpp"
+#include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/fused_step.hpp"
 
-#include <ATen/Context.h>
-#include <c10/util/Optional.h>
-#include <torch/cuda.h>
 #include <torch/types.h>
 
 #include <concepts>
 #include <cstddef>
 #include <functional>
 #include <limits>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace stagewise {
 namespace detail {
-
-// The default CPU and CUDA generators' states, so that a forward can be replayed with the same
-// random numbers (dropout masks, noise).
-class RngSnapshot {
- public:
-  static RngSnapshot capture() {
-    RngSnapshot s;
-    s.cpu_ = state_of(at::globalContext().defaultGenerator(c10::DeviceType::CPU));
-    if (torch::cuda::is_available()) {
-      const auto n = torch::cuda::device_count();
-      for (std::size_t i = 0; i < n; ++i) s.cuda_.push_back(state_of(cuda_generator(i)));
-    }
-    return s;
-  }
-  void restore() const {
-    restore_into(at::globalContext().defaultGenerator(c10::DeviceType::CPU), cpu_);
-    for (std::size_t i = 0; i < cuda_.size(); ++i) restore_into(cuda_generator(i), cuda_[i]);
-  }
-
- private:
-  static at::Generator cuda_generator(std::size_t i) {
-    return at::globalContext().defaultGenerator(
-        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
-  }
-  static torch::Tensor state_of(at::Generator gen) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    return gen.get_state();
-  }
-  static void restore_into(at::Generator gen, const torch::Tensor& state) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
-  torch::Tensor cpu_;
-  std::vector<torch::Tensor> cuda_;
-};
 
 struct FusedStepAccess {
   static FusedState& state(optim::FusedStep& fused) { return fused.state(); }
@@ -129,7 +91,7 @@ ClipStepResult clip_grad_norm_step(FusedStep& fused, F&& closure, double max_nor
   };
 
   detail::FusedPassGuard guard{st};
-  const auto rng = detail::RngSnapshot::capture();
+  const auto rng = RngState::capture_all();
   st.shared.norm_type = norm_type;
   st.shared.mode.store(detail::FusedMode::norm);
   run();

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "stagewise/optim/fused_slot.hpp"
+#include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
 
 #include <torch/csrc/autograd/variable.h>

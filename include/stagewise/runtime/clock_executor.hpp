@@ -5,7 +5,7 @@
 #include "stagewise/core/dependency.hpp"
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/fan_out.hpp"
-#include "stagewise/runtime/forward_skips.hpp"
+#include "stagewise/runtime/detail/forward_skips.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/clock.hpp"
 #include "stagewise/skip/layout.hpp"
@@ -18,20 +18,6 @@
 #include <vector>
 
 namespace stagewise::runtime {
-
-/// How many of `m` micro-batches are checkpointed: the first checkpoint_stop ones.
-inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
-  if (!training || !torch::GradMode::is_enabled()) return 0;  // eval / no-grad: nothing to replay
-  switch (mode) {
-    case Checkpoint::always:
-      return m;
-    case Checkpoint::except_last:
-      return m - 1;
-    case Checkpoint::never:
-      return 0;
-  }
-  return 0;
-}
 
 /// torchgpipe's forward: runs the clock cycles of `clock_cycles(m, n)` one after another, the
 /// cells of a cycle concurrently on their stages' workers, and returns the gathered output,
@@ -49,7 +35,7 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
   const int n = static_cast<int>(stages.size());
   const int64_t stop = checkpoint_stop(mode, m, training);
   const bool replay = stop > 0;
-  ::stagewise::detail::ForwardSkips portals(std::move(skips), batches.size());
+  ::stagewise::runtime::detail::ForwardSkips portals(std::move(skips), batches.size());
   StreamFence fence(stages);
 
   std::vector<std::optional<Batch>> outs(static_cast<std::size_t>(n));

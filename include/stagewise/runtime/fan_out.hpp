@@ -1,7 +1,7 @@
 #pragma once
 
-#include "stagewise/runtime/thread_state.hpp"
-#include "stagewise/runtime/worker.hpp"
+#include "stagewise/threads/thread_state.hpp"
+#include "stagewise/threads/worker.hpp"
 
 #include <condition_variable>
 #include <cstddef>

@@ -1,17 +1,15 @@
 #pragma once
 
-#include "stagewise/core/autocast_state.hpp"
 #include "stagewise/core/batch.hpp"
-#include "stagewise/core/checkpoint_state.hpp"
+#include "stagewise/core/detail/cell.hpp"
 #include "stagewise/core/error_context.hpp"
-#include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/fan_out.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
-#include "stagewise/runtime/train_skips.hpp"
+#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
@@ -45,7 +43,7 @@ struct CellMemory {
   bool input_atomic = true;
   std::vector<torch::Tensor> outputs;  // with their graph (empty while checkpointed)
   torch::Tensor loss;                  // last stage only
-  std::optional<RngState> rng;         // checkpointed cells only
+  std::optional<::stagewise::detail::CellReplay> replay;  // checkpointed cells only
   std::optional<SplitBackward> split;  // between I and W
 };
 
@@ -60,7 +58,7 @@ struct TrainStep {
   int64_t stop = 0;  // micro-batches below it are checkpointed
   bool training = true;
   std::chrono::steady_clock::time_point start;             // time zero of a recorded timeline
-  std::shared_ptr<::stagewise::detail::TrainSkips> skips;  // skip connections; null: none
+  std::shared_ptr<::stagewise::runtime::detail::TrainSkips> skips;  // skip connections; null: none
 };
 
 namespace detail {
@@ -102,13 +100,7 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
   std::optional<Batch> out;
   if (i < step.stop) {
     stage.rng.run(step.training, [&] {
-      cell.rng = RngState::capture(stage.device);
-      torch::NoGradGuard no_grad;
-      // No autocast casts cached without autograd history: the recompute and the other cells of
-      // this step on the worker would reuse them, and their parameters would get no gradient.
-      ::stagewise::detail::AutocastCacheOff no_cache;
-      auto scope = ::stagewise::detail::checkpointing_scope();
-      out.emplace(run());
+      cell.replay = ::stagewise::detail::run_checkpointed(stage.device, [&] { out.emplace(run()); });
     });
   } else if (replay) {
     stage.rng.run(step.training, [&] { out.emplace(run()); });
@@ -128,18 +120,19 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
 inline void recompute_cell(StageRuntime& stage, int j, int i, bool last, TrainStep& step,
                            CellMemory& cell) {
   stage.rng.run(step.training, [&] {
-    // A stage known to draw nothing runs without the lock, and rewinding the process-wide
-    // generator there would disturb a drawing stage running at the same time; it needs no
-    // replay anyway. (Its first run, an F, has taught the section which kind it is.)
-    std::optional<RngState::Restore> replay_rng;
-    if (!stage.rng.draws_nothing(step.training)) replay_rng.emplace(*cell.rng);
-    auto scope = ::stagewise::detail::recomputing_scope();
-    auto call = [&] {
-      return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front()) : Batch(cell.leaves));
-    };
-    Batch out = step.skips ? step.skips->run(j, i, call) : call();
-    if (last) cell.loss = micro_batch_loss(out, step, i);
-    cell.outputs.assign(out.begin(), out.end());
+    // The F that checkpointed this cell has taught the section whether the stage draws. The
+    // worker keeps its casts for the rest of the pass, which clears them.
+    ::stagewise::detail::run_recompute(
+        *cell.replay, !stage.rng.draws_nothing(step.training),
+        ::stagewise::detail::RecomputeCasts::keep, [&] {
+          auto call = [&] {
+            return stage.spec.fn(cell.input_atomic ? Batch(cell.leaves.front())
+                                                   : Batch(cell.leaves));
+          };
+          Batch out = step.skips ? step.skips->run(j, i, call) : call();
+          if (last) cell.loss = micro_batch_loss(out, step, i);
+          cell.outputs.assign(out.begin(), out.end());
+        });
   });
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 
-#include <ATen/Context.h>
-#include <ATen/core/Generator.h>
+#include "stagewise/core/rng.hpp"
+
 #include <torch/types.h>
 
 #include <atomic>
@@ -33,9 +33,10 @@ class RngSection {
       body();
       return;
     }
-    const auto before = fingerprint();
+    const auto before = RngState::capture(device_);
     body();
-    known.store(fingerprint().equal(before) ? not_drawing : drawing, std::memory_order_release);
+    known.store(RngState::capture(device_).same_as(before) ? not_drawing : drawing,
+               std::memory_order_release);
   }
 
   /// Whether a run (in training or not) is known to draw no random numbers: such a stage runs
@@ -52,16 +53,6 @@ class RngSection {
 
  private:
   enum : int { unknown = 0, drawing = 1, not_drawing = 2 };
-
-  torch::Tensor fingerprint() const {
-    auto read = [](at::Generator g) {
-      std::lock_guard<std::mutex> lock(g.mutex());
-      return g.get_state();
-    };
-    auto cpu = read(at::globalContext().defaultGenerator(torch::kCPU));
-    if (device_.type() == torch::kCPU) return cpu;
-    return torch::cat({cpu, read(at::globalContext().defaultGenerator(device_)).to(torch::kCPU)});
-  }
 
   torch::Device device_;
   std::atomic<int> state_[2] = {unknown, unknown};

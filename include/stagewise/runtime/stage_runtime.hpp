@@ -3,10 +3,10 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint.hpp"
 #include "stagewise/core/error_context.hpp"
-#include "stagewise/core/stage_spec.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/runtime/rng_section.hpp"
 #include "stagewise/runtime/stream.hpp"
-#include "stagewise/runtime/worker.hpp"
+#include "stagewise/threads/worker.hpp"
 
 #include <c10/core/DeviceGuard.h>
 #include <torch/types.h>
@@ -28,10 +28,10 @@ using cell_wrapper = std::function<Batch(const Batch&, const stage_call&)>;
 /// A stage as the executors see it: its function, device, worker thread, compute stream, copy
 /// streams (one per micro-batch, made on demand) and random-number section.
 struct StageRuntime {
-  StageRuntime(detail::StageSpec s, torch::Device d)
+  StageRuntime(::stagewise::detail::StageSpec s, torch::Device d)
       : spec(std::move(s)), device(d), compute(current_stream(d)), rng(d) {}
 
-  detail::StageSpec spec;
+  ::stagewise::detail::StageSpec spec;
   torch::Device device;
   c10::Stream compute;
   RngSection rng;
@@ -105,10 +105,14 @@ struct StageRuntime {
         *atomic = out.atomic();
         return std::vector<torch::Tensor>(out.begin(), out.end());
       };
-      detail::run_section section;
-      if (replay)
-        section = [this, training](const std::function<void()>& body) { rng.run(training, body); };
-      auto outs = detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()},
+      ::stagewise::detail::run_section section;
+      if (replay) {
+        section.run = [this, training](const std::function<void()>& body) {
+          rng.run(training, body);
+        };
+        section.draws_nothing = [this, training] { return rng.draws_nothing(training); };
+      }
+      auto outs = ::stagewise::detail::checkpoint_tensors(std::move(fn), {in.begin(), in.end()},
                                              std::move(section), where);
       if (*atomic) return Batch(std::move(outs.front()));
       return Batch(std::move(outs));

@@ -3,7 +3,7 @@
 #include "stagewise/coro/generator.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
-#include "stagewise/schedule/replay.hpp"
+#include "stagewise/schedule/detail/replay.hpp"
 
 #include <c10/util/Exception.h>
 

@@ -3,7 +3,7 @@
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/plan.hpp"
-#include "stagewise/schedule/replay.hpp"
+#include "stagewise/schedule/detail/replay.hpp"
 #include "stagewise/schedule/timeline.hpp"
 
 #include <c10/util/Exception.h>

@@ -2,7 +2,7 @@
 
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/concepts.hpp"
-#include "stagewise/schedule/replay.hpp"
+#include "stagewise/schedule/detail/replay.hpp"
 
 #include <c10/util/Exception.h>
 

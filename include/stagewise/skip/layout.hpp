@@ -2,7 +2,7 @@
 
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/tracker.hpp"
-#include "stagewise/skip/type_list.hpp"
+#include "stagewise/skip/detail/type_list.hpp"
 #include "stagewise/skip/verify.hpp"
 
 #include <c10/util/Exception.h>

@@ -2,7 +2,7 @@
 
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/tracker.hpp"
-#include "stagewise/skip/type_list.hpp"
+#include "stagewise/skip/detail/type_list.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

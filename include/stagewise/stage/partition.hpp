@@ -2,7 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/skip/skippable.hpp"
-#include "stagewise/core/stage_spec.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 
 #include <c10/util/Type.h>
 #include <torch/nn/modules/container/any.h>

@@ -3,7 +3,7 @@
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/skippable.hpp"
 #include "stagewise/skip/tracker.hpp"
-#include "stagewise/skip/type_list.hpp"
+#include "stagewise/skip/detail/type_list.hpp"
 #include "stagewise/stage/concepts.hpp"
 
 #include <torch/nn/module.h>

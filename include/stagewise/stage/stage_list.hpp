@@ -1,7 +1,7 @@
 #pragma once
 
 #include "stagewise/stage/concepts.hpp"
-#include "stagewise/core/stage_spec.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 
 #include <torch/nn/module.h>
 

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "stagewise/core/stage_spec.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>

@@ -15,7 +15,7 @@
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
-#include "stagewise/skip/inspect.hpp"
+#include "stagewise/skip/detail/inspect.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/stage/partition.hpp"
 
@@ -283,11 +283,11 @@ class Pipe {
     }
     step.loss_fn = std::move(loss_fn);
     step.training = training_;
-    step.stop = runtime::checkpoint_stop(options_.checkpoint(), m, step.training);
+    step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
     schedule::verify_comms(plan, routes_);
     if (!skips_->empty()) {
-      step.skips = std::make_shared<::stagewise::detail::TrainSkips>(skips_, stages_.size(),
+      step.skips = std::make_shared<::stagewise::runtime::detail::TrainSkips>(skips_, stages_.size(),
                                                                      static_cast<std::size_t>(m));
     }
     // This rank's inputs on stage 0's device and targets on the last stage's (see Pipe).
@@ -300,7 +300,7 @@ class Pipe {
     // rank computes.
     transport_->expect(runtime::receives_of(schedule::comms(plan, routes_), rank()));
     // This rank's one worker thread runs all of its stages, in plan order.
-    std::vector<runtime::Worker*> workers(static_cast<std::size_t>(workers_), nullptr);
+    std::vector<Worker*> workers(static_cast<std::size_t>(workers_), nullptr);
     for (int j = 0; j < n; ++j) {
       if (has_stage(j)) {
         workers[static_cast<std::size_t>(rank())] = &stages_[static_cast<std::size_t>(j)]->worker;

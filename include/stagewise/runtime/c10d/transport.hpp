@@ -1,10 +1,10 @@
 #pragma once
 
 #include "stagewise/runtime/c10d/group.hpp"
-#include "stagewise/runtime/c10d/header.hpp"
+#include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
-#include "stagewise/runtime/c10d/receiver.hpp"
+#include "stagewise/runtime/c10d/detail/receiver.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/stream.hpp"

@@ -1,9 +1,10 @@
 #pragma once
 
+#include "stagewise/core/version.hpp"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 
 #include <atomic>
 #include <cstddef>
@@ -14,13 +15,6 @@
 #include <utility>
 
 namespace stagewise::detail {
-
-// LibTorch 2.3 dropped the const of Allocator::allocate (and made copy_data pure virtual).
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define STAGEWISE_ALLOCATE_CONST
-#else
-#define STAGEWISE_ALLOCATE_CONST const
-#endif
 
 // A CPU allocator that counts the bytes of tensor memory alive, installed only while a
 // `CountCpuBytes` scope lives (balance_by_size). Each allocation is forwarded to the allocator
@@ -97,7 +91,6 @@ class CountingCpuAllocator final : public c10::Allocator {
   mutable std::atomic<int64_t> current_{0};
 };
 
-#undef STAGEWISE_ALLOCATE_CONST
 
 // Installs the counting allocator for the CPU for the scope's lifetime, then puts the previous
 // allocator back. One scope at a time in a process (balance_by_size takes a lock for it).

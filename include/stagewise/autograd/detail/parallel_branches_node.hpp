@@ -4,9 +4,10 @@
 // the caller's and runs their backwards (CPU branches on a pool, branches on a device on the
 // node's own thread), and the forward runner that builds them (on streams of their own on CUDA).
 
+#include "stagewise/core/autocast_state.hpp"
 #include "stagewise/runtime/stream.hpp"
-#include "stagewise/runtime/thread_pool.hpp"
-#include "stagewise/runtime/thread_state.hpp"
+#include "stagewise/threads/thread_pool.hpp"
+#include "stagewise/threads/thread_state.hpp"
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
@@ -29,9 +30,7 @@
 #include <utility>
 #include <vector>
 
-namespace stagewise {
-
-namespace detail {
+namespace stagewise::detail {
 
 using torch::autograd::variable_list;
 
@@ -121,21 +120,6 @@ inline bool check_self_contained(const variable_list& outputs, std::uint64_t thr
   return on_device;
 }
 
-// Switches LibTorch's autocast cast cache off on this thread for a branch: a cached cast made
-// outside the branch would join the branch's graph to the caller's.
-class NoAutocastCache {
- public:
-  NoAutocastCache() : previous_(at::autocast::is_autocast_cache_enabled()) {
-    at::autocast::set_autocast_cache_enabled(false);
-  }
-  NoAutocastCache(const NoAutocastCache&) = delete;
-  NoAutocastCache& operator=(const NoAutocastCache&) = delete;
-  ~NoAutocastCache() { at::autocast::set_autocast_cache_enabled(previous_); }
-
- private:
-  bool previous_;
-};
-
 // True if a branch's inputs hold no element at all (each defined one has a zero dimension, e.g. no
 // rows) and there is at least one.
 inline bool all_empty(const variable_list& inputs) {
@@ -203,7 +187,8 @@ inline std::vector<variable_list> run_forwards(const std::vector<BranchFn>& bran
           if (input.requires_grad()) leaf.requires_grad_(true);
           leaves.push_back(std::move(leaf));
         }
-        NoAutocastCache no_cache;
+        // A cached cast made outside the branch would join the branch's graph to the caller's.
+        AutocastCacheOff no_cache;
         const auto thread = at::RecordFunction::currentThreadId();
         const auto first = at::sequence_number::peek();
         if (all_empty(inputs[i])) {
@@ -425,6 +410,4 @@ inline bool hides_device_work(const torch::autograd::Node& node) {
   return c10::static_intrusive_pointer_cast<BranchesState>(it->second.toCapsule())->on_device;
 }
 
-}  // namespace detail
-
-}  // namespace stagewise
+}  // namespace stagewise::detail

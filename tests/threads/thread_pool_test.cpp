@@ -1,4 +1,4 @@
-#include "stagewise/runtime/thread_pool.hpp"
+#include "stagewise/threads/thread_pool.hpp"
 #include "tests/support/threads.hpp"
 
 #include <doctest/doctest.h>

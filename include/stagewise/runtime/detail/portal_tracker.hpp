@@ -1,7 +1,7 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_state.hpp"
-#include "stagewise/runtime/portal.hpp"
+#include "stagewise/runtime/detail/portal.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/tracker.hpp"
@@ -15,7 +15,10 @@
 #include <utility>
 #include <vector>
 
-namespace stagewise::detail {
+namespace stagewise::runtime::detail {
+
+// From the skip layer's private code.
+using ::stagewise::detail::SkipLayout;
 
 /// One micro-batch's skips in a pipe's `forward`: skips within a stage are kept plainly,
 /// skips that cross stages go through portals (torchgpipe's tracker through portals).
@@ -114,4 +117,4 @@ class PortalCell final : public SkipTrackerBase {
   std::vector<torch::Tensor> blues_;
 };
 
-}  // namespace stagewise::detail
+}  // namespace stagewise::runtime::detail

@@ -1,4 +1,4 @@
-#include "stagewise/runtime/worker.hpp"
+#include "stagewise/threads/worker.hpp"
 #include "stagewise/pipe.hpp"
 #include "tests/support/autocast.hpp"
 #include "tests/support/threads.hpp"
@@ -23,7 +23,7 @@ TEST_SUITE("workers") {
     std::vector<int> order;
     std::thread::id ran_on;
     {
-      sw::runtime::Worker w;
+      sw::Worker w;
       for (int i = 0; i < 5; ++i) {
         w.post([&, i] {
           order.push_back(i);
@@ -40,7 +40,7 @@ TEST_SUITE("workers") {
     at::set_num_threads(1);
     int seen = 0;
     {
-      sw::runtime::Worker w;
+      sw::Worker w;
       w.post([&] { seen = at::get_num_threads(); });
     }
     CHECK(seen == 1);

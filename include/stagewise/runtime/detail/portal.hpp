@@ -12,7 +12,7 @@
 #include <mutex>
 #include <utility>
 
-namespace stagewise::detail {
+namespace stagewise::runtime::detail {
 
 /// Carries one micro-batch's skip tensor from the stage that stashes it to the stage that pops
 /// it, hidden from autograd's data path (torchgpipe's portal).
@@ -197,4 +197,4 @@ inline torch::Tensor portal_copy(const c10::intrusive_ptr<Portal>& portal,
   return PortalCopyFunction::apply(phony, portal, route);
 }
 
-}  // namespace stagewise::detail
+}  // namespace stagewise::runtime::detail

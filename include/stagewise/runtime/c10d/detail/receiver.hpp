@@ -1,8 +1,8 @@
 #pragma once
 
-#include "stagewise/runtime/c10d/failure.hpp"
+#include "stagewise/runtime/c10d/detail/failure.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
-#include "stagewise/runtime/c10d/header.hpp"
+#include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/stream.hpp"

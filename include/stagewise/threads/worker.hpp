@@ -1,5 +1,7 @@
 #pragma once
 
+#include "stagewise/threads/intra_op_threads.hpp"
+
 #include <ATen/Parallel.h>
 
 #include <condition_variable>
@@ -9,14 +11,14 @@
 #include <thread>
 #include <utility>
 
-namespace stagewise::runtime {
+namespace stagewise {
 
 /// One thread that runs posted tasks in order: a pipeline stage's worker.
 ///
 /// Tasks must not throw (executors catch and hand exceptions back). The destructor finishes the
 /// queued tasks and joins the thread. Each task runs with the intra-op thread count its poster
 /// had, since OpenMP keeps that count per thread.
-///   stagewise::runtime::Worker w;  w.post([] { ... });
+///   stagewise::Worker w;  w.post([] { ... });
 class Worker {
  public:
   Worker() : thread_([this] { loop(); }) {}
@@ -50,7 +52,6 @@ class Worker {
   };
 
   void loop() {
-    int threads = -1;
     for (;;) {
       Item item;
       {
@@ -60,10 +61,7 @@ class Worker {
         item = std::move(queue_.front());
         queue_.pop_front();
       }
-      if (item.threads != threads) {
-        at::set_num_threads(item.threads);
-        threads = item.threads;
-      }
+      use_intra_op_threads(item.threads);
       item.task();
     }
   }
@@ -75,4 +73,4 @@ class Worker {
   std::thread thread_;  // last: starts after the members it uses exist
 };
 
-}  // namespace stagewise::runtime
+}  // namespace stagewise

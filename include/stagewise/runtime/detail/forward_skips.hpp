@@ -2,8 +2,8 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/dependency.hpp"
-#include "stagewise/runtime/portal.hpp"
-#include "stagewise/runtime/portal_tracker.hpp"
+#include "stagewise/runtime/detail/portal.hpp"
+#include "stagewise/runtime/detail/portal_tracker.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/tracker.hpp"
@@ -16,7 +16,11 @@
 #include <utility>
 #include <vector>
 
-namespace stagewise::detail {
+namespace stagewise::runtime::detail {
+
+// From the skip layer's private code.
+using ::stagewise::detail::LayerFrame;
+using ::stagewise::detail::SkipLayout;
 
 /// What a pipe's `forward` (the clock-cycle executor) does for skip connections: one
 /// PortalTracker per micro-batch, the portal copies between devices before a cell, and the
@@ -87,4 +91,4 @@ class ForwardSkips {
   std::vector<std::shared_ptr<PortalTracker>> trackers_;
 };
 
-}  // namespace stagewise::detail
+}  // namespace stagewise::runtime::detail

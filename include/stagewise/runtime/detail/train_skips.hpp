@@ -17,7 +17,11 @@
 #include <utility>
 #include <vector>
 
-namespace stagewise::detail {
+namespace stagewise::runtime::detail {
+
+// From the skip layer's private code.
+using ::stagewise::detail::LayerFrame;
+using ::stagewise::detail::SkipLayout;
 
 /// Skip connections in `train_step`, where every (stage, micro-batch) cell has its own graph:
 /// routing over the message layer (kinds `skip` and `skip_grad`, keyed by the receiving stage,
@@ -188,4 +192,4 @@ class TrainSkips {
   std::vector<CellState> cells_;  // stage-major; each touched only by its stage's worker
 };
 
-}  // namespace stagewise::detail
+}  // namespace stagewise::runtime::detail

@@ -1,19 +1,15 @@
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "stagewise/core/version.hpp"
+#include "stagewise/threads/intra_op_threads.hpp"
+
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/ScalarType.h>
-#include <torch/version.h>
 
 #include <thread>
 
-// LibTorch before 2.4 keeps the autocast dtypes outside at::ThreadLocalState.
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
-#define STAGEWISE_CARRY_AUTOCAST_DTYPES 1
-#else
-#define STAGEWISE_CARRY_AUTOCAST_DTYPES 0
-#endif
+// LibTorch before 2.4 keeps the autocast dtypes outside at::ThreadLocalState: they are carried here.
 
 namespace stagewise {
 
@@ -32,7 +28,7 @@ class ThreadState {
   ThreadState()
       : owner_(std::this_thread::get_id()),
         intra_op_threads_(at::get_num_threads())
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
         ,
         autocast_cpu_dtype_(at::autocast::get_autocast_cpu_dtype()),
         autocast_gpu_dtype_(at::autocast::get_autocast_gpu_dtype())
@@ -50,7 +46,7 @@ class ThreadState {
   at::ThreadLocalState tls_;
   std::thread::id owner_;
   int intra_op_threads_;
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
   at::ScalarType autocast_cpu_dtype_;
   at::ScalarType autocast_gpu_dtype_;
 #endif
@@ -70,17 +66,13 @@ class ThreadStateGuard {
  public:
   explicit ThreadStateGuard(const ThreadState& state, bool keep_autocast_cache = false)
       : clear_autocast_cache_(!keep_autocast_cache && std::this_thread::get_id() != state.owner_),
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
         previous_cpu_dtype_(at::autocast::get_autocast_cpu_dtype()),
         previous_gpu_dtype_(at::autocast::get_autocast_gpu_dtype()),
 #endif
         tls_guard_(state.tls_) {
-    // at::set_num_threads also sets the process-wide default; call it only when this thread's
-    // count differs, which never happens with a process-wide (non-OpenMP) intra-op pool.
-    if (at::get_num_threads() != state.intra_op_threads_) {
-      at::set_num_threads(state.intra_op_threads_);
-    }
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+    use_intra_op_threads(state.intra_op_threads_);
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
     at::autocast::set_autocast_cpu_dtype(state.autocast_cpu_dtype_);
     at::autocast::set_autocast_gpu_dtype(state.autocast_gpu_dtype_);
 #endif
@@ -91,7 +83,7 @@ class ThreadStateGuard {
 
   ~ThreadStateGuard() {
     if (clear_autocast_cache_) at::autocast::clear_cache();
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
     at::autocast::set_autocast_cpu_dtype(previous_cpu_dtype_);
     at::autocast::set_autocast_gpu_dtype(previous_gpu_dtype_);
 #endif
@@ -99,7 +91,7 @@ class ThreadStateGuard {
 
  private:
   bool clear_autocast_cache_;
-#if STAGEWISE_CARRY_AUTOCAST_DTYPES
+#if !STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
   at::ScalarType previous_cpu_dtype_;
   at::ScalarType previous_gpu_dtype_;
 #endif
