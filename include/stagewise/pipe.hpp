@@ -5,11 +5,13 @@
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
+#include "stagewise/pipe/detail/step.hpp"
+#include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
+#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
-#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
@@ -34,15 +36,6 @@
 #include <vector>
 
 namespace stagewise {
-
-/// An optimizer step run from backward hooks that a pipeline can drive: it steps each parameter
-/// on its k-th gradient of a step and checks the step's end (`optim::FusedStep` is one).
-template <class F>
-concept fused_stepper = requires(F& f, int k) {
-  f.set_accumulation_steps(k);
-  f.finish_step();
-  f.reset_step();
-};
 
 /// The pipeline itself, behind the `Pipe` holder: stages on their own worker threads, a
 /// mini-batch split into micro-batches, and two ways to train.
@@ -123,18 +116,9 @@ class PipeImpl : public torch::nn::Module {
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
-    torch::Tensor loss;
-    try {
-      // Every stage back-propagates each micro-batch once, whatever the checkpoint mode.
-      loss = run_train_step(
-          input, target, std::move(loss_fn), sched,
-          [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); }, timeline);
-    } catch (...) {
-      fused.reset_step();
-      throw;
-    }
-    fused.finish_step();
-    return loss;
+    return detail::with_fused_step(fused, [&](const std::function<void(int)>& before) {
+      return run_train_step(input, target, std::move(loss_fn), sched, before, timeline);
+    });
   }
 
   /// The fused train_step for one input tensor and one target tensor.
@@ -154,13 +138,11 @@ class PipeImpl : public torch::nn::Module {
     TORCH_CHECK(torch::GradMode::is_enabled(),
                 "stagewise::Pipe::train_step: grad mode is off (a NoGradGuard is active); "
                 "train_step computes gradients, so call it with grad enabled, or use forward");
-    check_rows(input, target);
+    detail::check_step_rows(&input, &target, "stagewise::Pipe::train_step");
     runtime::TrainStep step;
     step.inputs = scatter(input, options_.chunks());
     step.targets = scatter(target, options_.chunks());
-    const double rows = static_cast<double>(input[0].size(0));
-    for (const auto& b : step.inputs)
-      step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
+    step.weights = detail::row_weights(step.inputs);
     step.loss_fn = std::move(loss_fn);
     step.training = is_training();
     const int m = static_cast<int>(step.inputs.size());
@@ -168,8 +150,8 @@ class PipeImpl : public torch::nn::Module {
     const auto plan =
         schedule::plan(sched, static_cast<int>(stages_.size()), m, static_cast<int>(step.stop));
     if (!skips_->empty()) {
-      step.skips =
-          std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(), static_cast<std::size_t>(m));
+      step.skips = std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(),
+                                                                 static_cast<std::size_t>(m));
     }
     // Each micro-batch's input on stage 0's device and its target on the last stage's, moved
     // here on the caller's thread, after the caller's streams (the fence) and before any worker.
@@ -238,40 +220,6 @@ class PipeImpl : public torch::nn::Module {
                 ": each stage lives on the device it was given. Build a new Pipe with "
                 "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
                 "allowed).");
-  }
-
-  // train_step's batches: every tensor of the input and of the target has a batch dimension
-  // with the same, positive number of rows (the loss of a row needs its target row).
-  static void check_rows(const Batch& input, const Batch& target) {
-    auto name = [](const Batch& b, const char* what, std::size_t k) {
-      return b.atomic() ? std::string("the ") + what
-                        : std::string(what) + " tensor " + std::to_string(k);
-    };
-    auto check_tensor = [&](const Batch& b, const char* what, std::size_t k) {
-      TORCH_CHECK(b[k].defined(), "stagewise::Pipe::train_step: ", name(b, what, k),
-                  " is undefined; give a tensor whose first dimension is the batch");
-      TORCH_CHECK(b[k].dim() > 0, "stagewise::Pipe::train_step: ", name(b, what, k),
-                  " is a scalar; give a tensor whose first dimension is the batch (unsqueeze(0) "
-                  "it)");
-    };
-    check_tensor(input, "input", 0);
-    const int64_t rows = input[0].size(0);
-    TORCH_CHECK(rows > 0, "stagewise::Pipe::train_step: the batch is empty (",
-                name(input, "input", 0),
-                " has 0 rows); a step needs at least one row, so skip empty batches");
-    for (std::size_t k = 1; k < input.size(); ++k) {
-      check_tensor(input, "input", k);
-      TORCH_CHECK(input[k].size(0) == rows, "stagewise::Pipe::train_step: input tensor ", k,
-                  " has ", input[k].size(0), " rows but input tensor 0 has ", rows,
-                  "; every tensor of the input must have one row per example");
-    }
-    for (std::size_t k = 0; k < target.size(); ++k) {
-      check_tensor(target, "target", k);
-      TORCH_CHECK(target[k].size(0) == rows,
-                  "stagewise::Pipe::train_step: ", name(target, "target", k), " has ",
-                  target[k].size(0), " rows but the input has ", rows,
-                  "; give one target row per input row");
-    }
   }
 
   const runtime::StageRuntime& stage_at(std::size_t k) const {

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/schedule_fixture.hpp"
 #include "tests/support/wellformed.hpp"
 
 #include <doctest/doctest.h>
@@ -25,83 +26,16 @@
 
 namespace sw = stagewise;
 namespace sched = stagewise::schedule;
+using sw::testing::check_equal_to_reference;
 using sw::testing::contains;
 using sw::testing::count;
 using sw::testing::error_of;
+using sw::testing::grads_of;
+using sw::testing::mlp;
+using sw::testing::mse;
+using sw::testing::reference_step;
 
 namespace {
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
-
-torch::nn::Sequential mlp(double dropout = 0.0) {
-  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(),
-                               torch::nn::Dropout(dropout), torch::nn::Linear(8, 8),
-                               torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::ReLU(),
-                               torch::nn::Linear(8, 3));
-}
-
-// Unpipelined training on the same micro-batches: every forward, then the backwards in the
-// order each stage of the pipe runs them (GPipe: M-1 .. 0; the others 0 .. M-1), so each
-// parameter's gradient sums the same terms in the same order and the result is bit for bit equal.
-torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
-                             const torch::Tensor& t, int64_t chunks, bool ascending) {
-  auto xs = x.chunk(chunks);
-  auto ts = t.chunk(chunks);
-  std::vector<torch::Tensor> losses;
-  torch::Tensor total;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq->forward(xs[i]), ts[i]) * w);
-    total = total.defined() ? total + losses.back().detach() : losses.back().detach();
-  }
-  if (ascending) {
-    for (auto& l : losses) l.backward();
-  } else {
-    for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
-  }
-  return total;
-}
-
-std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  for (auto& p : m.parameters())
-    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
-  return out;
-}
-
-// Trains `seq` one step with `sched` in every checkpoint mode and compares with the reference.
-template <class Schedule>
-void check_equal_to_reference(const Schedule& s, const sw::balance& b, bool ascending,
-                              double dropout = 0.0) {
-  for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::except_last, sw::Checkpoint::always}) {
-    const std::string mode_name = sw::to_string(mode);
-    const std::string schedule_name =
-        typeid(Schedule).name();  // mangled, enough to tell them apart
-    CAPTURE(mode_name);
-    CAPTURE(schedule_name);
-    torch::manual_seed(3);
-    auto seq = mlp(dropout);
-    auto x = torch::randn({10, 6});  // 10 rows in 4 chunks: 3, 3, 3, 1
-    auto t = torch::randn({10, 3});
-    torch::manual_seed(5);
-    auto expected_loss = reference_step(seq, x, t, 4, ascending);
-    auto expected = grads_of(*seq);
-    seq->zero_grad();
-    auto pipe = sw::Pipe(seq, b, sw::PipeOptions().chunks(4).checkpoint(mode));
-    torch::manual_seed(5);
-    torch::Tensor loss = pipe->train_step(x, t, mse, s);
-    CHECK(loss.item<float>() == expected_loss.item<float>());
-    auto got = grads_of(*seq);
-    REQUIRE(got.size() == expected.size());
-    for (std::size_t k = 0; k < got.size(); ++k) {
-      CAPTURE(k);
-      REQUIRE(got[k].defined());
-      CHECK(got[k].equal(expected[k]));
-    }
-  }
-}
 
 struct listed {
   std::vector<sched::Action> actions;

@@ -7,6 +7,7 @@
 
 #include "tests/support/errors.hpp"
 #include "tests/support/kernels.hpp"
+#include "tests/support/unet.hpp"
 
 #include <doctest/doctest.h>
 
@@ -69,15 +70,17 @@ thread_local std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>> pe
 // Identity whose backward checks that the portal of its micro-batch has released its tensor:
 // by the time backward reaches the first layer, the skip must be freed.
 struct NoPortalTensorAtBackward : torch::autograd::Function<NoPortalTensorAtBackward> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>* slot) {
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx, torch::Tensor x,
+      std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>* slot) {
     ctx->saved_data["slot"] = reinterpret_cast<int64_t>(new auto(*slot));
     return x.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list g) {
-    auto* slot = reinterpret_cast<std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>*>(
-        ctx->saved_data["slot"].toInt());
+    auto* slot =
+        reinterpret_cast<std::shared_ptr<c10::intrusive_ptr<sw::runtime::detail::Portal>>*>(
+            ctx->saved_data["slot"].toInt());
     const auto& portal = **slot;
     {
       std::lock_guard<std::mutex> lock(log().mutex);
@@ -134,7 +137,8 @@ TORCH_MODULE(CheckedStash);
 struct CheckedPopImpl : sw::Skippable<CheckedPopImpl, sw::pops<sx<E1>>> {
   torch::Tensor forward(torch::Tensor x) {
     auto skip = pop<sx<E1>>();
-    auto* portal = sw::runtime::detail::PortalCell::current()->tracker().portal(sw::skip_info_of<sx<E1>>);
+    auto* portal =
+        sw::runtime::detail::PortalCell::current()->tracker().portal(sw::skip_info_of<sx<E1>>);
     if (portal->tensor_life() != expected_life_after(false)) {
       log().fail("life after pop " + std::to_string(portal->tensor_life()) + ", expected " +
                  std::to_string(expected_life_after(false)));
@@ -220,35 +224,8 @@ struct ScalePopImpl : sw::Skippable<ScalePopImpl, sw::pops<skip_scale>> {
 TORCH_MODULE(ScalePop);
 
 // ---- a small U-Net whose encoder levels stash and decoder levels pop, one namespace per level
-// ----
-template <class Level>
-struct DownImpl : sw::Skippable<DownImpl<Level>, sw::stashes<sx<Level>>> {
-  DownImpl(int64_t in, int64_t out)
-      : conv(this->register_module(
-            "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    auto h = torch::relu(conv(x));
-    sw::stash<sx<Level>>(this, h);
-    return torch::max_pool2d(h, 2);
-  }
-  torch::nn::Conv2d conv;
-};
-template <class Level>
-using Down = torch::nn::ModuleHolder<DownImpl<Level>>;
-
-template <class Level>
-struct UpImpl : sw::Skippable<UpImpl<Level>, sw::pops<sx<Level>>> {
-  UpImpl(int64_t in, int64_t skip, int64_t out)
-      : conv(this->register_module(
-            "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in + skip, out, 3).padding(1)))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    auto up = torch::upsample_nearest2d(x, {x.size(2) * 2, x.size(3) * 2});
-    return torch::relu(conv(torch::cat({up, sw::pop<sx<Level>>(this)}, 1)));
-  }
-  torch::nn::Conv2d conv;
-};
-template <class Level>
-using Up = torch::nn::ModuleHolder<UpImpl<Level>>;
+using sw::testing::Down;
+using sw::testing::Up;
 
 struct UNet {
   Down<E1> d1{2, 4};

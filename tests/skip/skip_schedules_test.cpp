@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/kernels.hpp"
+#include "tests/support/unet.hpp"
 
 #include <doctest/doctest.h>
 
@@ -29,39 +30,8 @@ namespace {
 
 struct Level1 {};
 struct Level2 {};
-template <class Level>
-using skip_h = sw::skip<Level, "h">;
-
-// Encoder level: stashes its features for the decoder level of the same namespace.
-template <class Level>
-struct DownImpl : sw::Skippable<DownImpl<Level>, sw::stashes<skip_h<Level>>> {
-  DownImpl(int64_t in, int64_t out)
-      : conv(this->register_module(
-            "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    auto h = torch::relu(conv(x));
-    sw::stash<skip_h<Level>>(this, h);
-    return torch::max_pool2d(h, 2);
-  }
-  torch::nn::Conv2d conv;
-};
-template <class Level>
-using Down = torch::nn::ModuleHolder<DownImpl<Level>>;
-
-// Decoder level: upsamples and concatenates the popped encoder features.
-template <class Level>
-struct UpImpl : sw::Skippable<UpImpl<Level>, sw::pops<skip_h<Level>>> {
-  UpImpl(int64_t in, int64_t skip, int64_t out)
-      : conv(this->register_module(
-            "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in + skip, out, 3).padding(1)))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    auto up = torch::upsample_nearest2d(x, {x.size(2) * 2, x.size(3) * 2});
-    return torch::relu(conv(torch::cat({up, sw::pop<skip_h<Level>>(this)}, 1)));
-  }
-  torch::nn::Conv2d conv;
-};
-template <class Level>
-using Up = torch::nn::ModuleHolder<UpImpl<Level>>;
+using sw::testing::Down;
+using sw::testing::Up;
 
 torch::nn::Sequential unet() {
   return torch::nn::Sequential(Down<Level1>(2, 4), Down<Level2>(4, 8),

@@ -3,13 +3,12 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/detail/cell.hpp"
 #include "stagewise/core/error_context.hpp"
-#include "stagewise/runtime/clock_executor.hpp"
+#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/fan_out.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
-#include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
@@ -44,7 +43,7 @@ struct CellMemory {
   std::vector<torch::Tensor> outputs;  // with their graph (empty while checkpointed)
   torch::Tensor loss;                  // last stage only
   std::optional<::stagewise::detail::CellReplay> replay;  // checkpointed cells only
-  std::optional<SplitBackward> split;  // between I and W
+  std::optional<SplitBackward> split;                     // between I and W
 };
 
 }  // namespace detail
@@ -57,7 +56,7 @@ struct TrainStep {
   loss_fn_t loss_fn;
   int64_t stop = 0;  // micro-batches below it are checkpointed
   bool training = true;
-  std::chrono::steady_clock::time_point start;             // time zero of a recorded timeline
+  std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
   std::shared_ptr<::stagewise::runtime::detail::TrainSkips> skips;  // skip connections; null: none
 };
 
@@ -100,7 +99,8 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
   std::optional<Batch> out;
   if (i < step.stop) {
     stage.rng.run(step.training, [&] {
-      cell.replay = ::stagewise::detail::run_checkpointed(stage.device, [&] { out.emplace(run()); });
+      cell.replay =
+          ::stagewise::detail::run_checkpointed(stage.device, [&] { out.emplace(run()); });
     });
   } else if (replay) {
     stage.rng.run(step.training, [&] { out.emplace(run()); });
@@ -172,6 +172,156 @@ inline void backward_roots(const CellMemory& cell, bool last, const std::vector<
 
 }  // namespace detail
 
+namespace detail {
+
+// One action's cell and what it reaches: its stage, the step, the transport.
+template <class Transport>
+struct ActionContext {
+  std::vector<std::unique_ptr<StageRuntime>>& stages;
+  StageRuntime& stage;
+  TrainStep& step;
+  Transport& mail;
+  CellMemory& cell;
+  int j;  // stage
+  int i;  // micro-batch
+  bool last;
+};
+
+// What an action consumes from other stages, received before it starts: an F's activation and
+// popped skips, a B's or I's output gradient (moved to this stage).
+struct Inputs {
+  std::optional<Message> activation;
+  std::optional<Message> grad;
+};
+
+template <class Transport>
+Inputs receive_inputs(ActionContext<Transport>& c, schedule::ActionKind kind) {
+  using schedule::ActionKind;
+  Inputs in;
+  if (kind == ActionKind::forward) {
+    if (c.j > 0) {
+      in.activation = c.mail.recv({MessageKind::activation, c.j, c.i});
+      if (!in.activation) throw Aborted{};
+    }
+    if (c.step.skips && !c.step.skips->receive(c.stages, c.j, c.i, c.mail)) throw Aborted{};
+  }
+  if ((kind == ActionKind::backward || kind == ActionKind::input_grad) && !c.last) {
+    in.grad = c.mail.recv({MessageKind::gradient, c.j, c.i});
+    if (!in.grad) throw Aborted{};
+    const StageRuntime* next = c.stages[static_cast<std::size_t>(c.j + 1)].get();
+    for (auto& g : in.grad->tensors) g = c.stage.take_in(g, next, static_cast<std::size_t>(c.i));
+  }
+  return in;
+}
+
+// F: the cell's forward; its output goes to the next stage, its skips to their popping stages.
+template <class Transport>
+void run_forward(ActionContext<Transport>& c, Inputs& in, torch::Tensor& total) {
+  Batch x = c.step.inputs[static_cast<std::size_t>(c.i)];
+  if (c.j > 0) {
+    Batch received = in.activation->atomic ? Batch(std::move(in.activation->tensors.front()))
+                                           : Batch(std::move(in.activation->tensors));
+    x = c.stage.receive(received, c.stages[static_cast<std::size_t>(c.j - 1)].get(),
+                        static_cast<std::size_t>(c.i));
+  }
+  Batch out = forward_cell(c.stage, c.j, c.i, c.last, std::move(x), c.step, c.cell, total);
+  if (c.step.skips) c.step.skips->send(c.j, c.i, c.mail);
+  if (!c.last) {
+    Message sent;
+    sent.atomic = out.atomic();
+    sent.tensors.reserve(out.size());
+    for (const auto& t : out) sent.tensors.push_back(t.detach());
+    c.mail.send({MessageKind::activation, c.j + 1, c.i}, std::move(sent));
+  }
+}
+
+// The roots a B or an I differentiates: the cell's outputs (or loss) with their gradients, and a
+// stashing cell's stashed tensors with the gradients their popping stages sent back.
+template <class Transport>
+void roots_of(ActionContext<Transport>& c, Inputs& in, std::vector<torch::Tensor>& outs,
+              std::vector<torch::Tensor>& grads) {
+  backward_roots(c.cell, c.last, in.grad ? &in.grad->tensors : nullptr, outs, grads);
+  if (c.step.skips && !c.step.skips->add_roots(c.stages, c.j, c.i, outs, grads, c.mail)) {
+    throw Aborted{};
+  }
+}
+
+// B: the cell's whole backward; its input gradients go to the previous stage, and the cell's
+// activations are freed.
+template <class Transport>
+void run_backward(ActionContext<Transport>& c, Inputs& in) {
+  std::vector<torch::Tensor> outs;
+  std::vector<torch::Tensor> grads;
+  roots_of(c, in, outs, grads);
+  if (!outs.empty()) torch::autograd::backward(outs, grads);
+  if (c.step.skips) c.step.skips->send_grads(c.j, c.i, c.mail);
+  if (c.j > 0) {
+    Message input_grads;
+    input_grads.atomic = c.cell.input_atomic;
+    input_grads.tensors.reserve(c.cell.leaves.size());
+    for (auto& leaf : c.cell.leaves) input_grads.tensors.push_back(leaf.grad());
+    c.mail.send({MessageKind::gradient, c.j - 1, c.i}, std::move(input_grads));
+  }
+  c.cell = CellMemory{};
+}
+
+// I: the input gradients only, sent at once (a popping cell's skip gradients too, as it does its
+// inputs'); the split keeps the graph for W.
+template <class Transport>
+void run_input_grad(ActionContext<Transport>& c, Inputs& in) {
+  std::vector<torch::Tensor> outs;
+  std::vector<torch::Tensor> grads;
+  roots_of(c, in, outs, grads);
+  std::vector<torch::Tensor> targets = c.cell.leaves;
+  const std::size_t inputs = targets.size();
+  if (c.step.skips) {
+    for (auto& t :
+         c.step.skips->popped(static_cast<std::size_t>(c.j), static_cast<std::size_t>(c.i)))
+      targets.push_back(std::move(t));
+  }
+  c.cell.split.emplace();
+  auto input_grads = c.cell.split->input_grad(std::move(outs), std::move(grads), targets);
+  if (c.step.skips) {
+    const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs, input_grads.end());
+    c.step.skips->send_grads(c.j, c.i, c.mail, &skip_grads);
+    input_grads.resize(inputs);
+  }
+  if (c.j > 0) {
+    c.mail.send({MessageKind::gradient, c.j - 1, c.i},
+                Message{std::move(input_grads), c.cell.input_atomic});
+  }
+  c.cell.outputs.clear();  // the split holds the graph until W
+  c.cell.loss = torch::Tensor();
+}
+
+// W: the weight gradients the cell's I left, then the cell is freed.
+template <class Transport>
+void run_weight_grad(ActionContext<Transport>& c, const schedule::Action& a) {
+  TORCH_CHECK(c.cell.split, "stagewise::train_step: ", schedule::to_string(a),
+              " runs before its input-gradient pass; verify the schedule");
+  c.cell.split->weight_grad();
+  c.cell = CellMemory{};
+}
+
+template <class Transport>
+void run_action(ActionContext<Transport>& c, const schedule::Action& a, Inputs& in,
+                torch::Tensor& total) {
+  switch (a.kind) {
+    case schedule::ActionKind::forward:
+      return run_forward(c, in, total);
+    case schedule::ActionKind::recompute:
+      return recompute_cell(c.stage, c.j, c.i, c.last, c.step, c.cell);
+    case schedule::ActionKind::backward:
+      return run_backward(c, in);
+    case schedule::ActionKind::input_grad:
+      return run_input_grad(c, in);
+    case schedule::ActionKind::weight_grad:
+      return run_weight_grad(c, a);
+  }
+}
+
+}  // namespace detail
+
 /// Runs worker `w`'s actions of `plan` in order (called on that worker's thread): F takes the
 /// activation from the transport and posts its output to the next stage; R recomputes a
 /// checkpointed cell; B runs the cell's backward and posts its input gradients; I posts the input
@@ -182,7 +332,6 @@ template <transport Transport>
 torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
                           const schedule::Plan& plan, int w, TrainStep& step, Transport& mail,
                           std::vector<schedule::TimedAction>* record) {
-  using schedule::ActionKind;
   const int n = plan.stages;
   const int m = plan.micro_batches;
   std::vector<std::vector<detail::CellMemory>> cells(static_cast<std::size_t>(n));
@@ -195,7 +344,6 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
   for (const auto& a : plan.programs[static_cast<std::size_t>(w)]) {
     const int j = a.stage;
     const int i = a.micro;
-    const bool last = j == n - 1;
     TORCH_CHECK(stages[static_cast<std::size_t>(j)] != nullptr, "stagewise::train_step: worker ", w,
                 " runs stage ", j,
                 " but that stage is not in this process; give run_programs "
@@ -203,7 +351,8 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
     StageRuntime& stage = *stages[static_cast<std::size_t>(j)];
     auto& row = cells[static_cast<std::size_t>(j)];
     if (row.empty()) row.resize(static_cast<std::size_t>(m));
-    auto& cell = row[static_cast<std::size_t>(i)];
+    detail::ActionContext<Transport> c{
+        stages, stage, step, mail, row[static_cast<std::size_t>(i)], j, i, j == n - 1};
     std::optional<c10::DeviceGuard> device_guard;
     std::optional<c10::StreamGuard> stream_guard;
     if (stage.device.type() != torch::kCPU) {
@@ -213,110 +362,11 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
     // Wait for what the action consumes; its recorded time starts once that is here, and the
     // time spent waiting is recorded beside it (Timeline::waiting).
     const double ready = record ? now() : 0.0;
-    std::optional<Message> received;
-    std::optional<Message> grad;
-    if (a.kind == ActionKind::forward && j > 0) {
-      received = mail.recv({MessageKind::activation, j, i});
-      if (!received) throw detail::Aborted{};
-    }
-    if (a.kind == ActionKind::forward && step.skips && !step.skips->receive(stages, j, i, mail)) {
-      throw detail::Aborted{};
-    }
-    if ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !last) {
-      grad = mail.recv({MessageKind::gradient, j, i});
-      if (!grad) throw detail::Aborted{};
-      const StageRuntime* next = stages[static_cast<std::size_t>(j + 1)].get();
-      for (auto& g : grad->tensors) g = stage.take_in(g, next, static_cast<std::size_t>(i));
-    }
+    detail::Inputs in = detail::receive_inputs(c, a.kind);
     const double start = record ? now() : 0.0;
     // The action itself; an exception it raises gains the cell and the phase as context.
-    auto act = [&] {
-      switch (a.kind) {
-        case ActionKind::forward: {
-          Batch x = step.inputs[static_cast<std::size_t>(i)];
-          if (j > 0) {
-            Batch in = received->atomic ? Batch(std::move(received->tensors.front()))
-                                        : Batch(std::move(received->tensors));
-            x = stage.receive(in, stages[static_cast<std::size_t>(j - 1)].get(),
-                              static_cast<std::size_t>(i));
-          }
-          Batch out = detail::forward_cell(stage, j, i, last, std::move(x), step, cell, total);
-          if (step.skips) step.skips->send(j, i, mail);
-          if (!last) {
-            Message sent;
-            sent.atomic = out.atomic();
-            sent.tensors.reserve(out.size());
-            for (const auto& t : out) sent.tensors.push_back(t.detach());
-            mail.send({MessageKind::activation, j + 1, i}, std::move(sent));
-          }
-          break;
-        }
-        case ActionKind::recompute:
-          detail::recompute_cell(stage, j, i, last, step, cell);
-          break;
-        case ActionKind::backward: {
-          std::vector<torch::Tensor> outs;
-          std::vector<torch::Tensor> grads;
-          detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
-          if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
-            throw detail::Aborted{};
-          }
-          if (!outs.empty()) torch::autograd::backward(outs, grads);
-          if (step.skips) step.skips->send_grads(j, i, mail);
-          if (j > 0) {
-            Message input_grads;
-            input_grads.atomic = cell.input_atomic;
-            input_grads.tensors.reserve(cell.leaves.size());
-            for (auto& leaf : cell.leaves) input_grads.tensors.push_back(leaf.grad());
-            mail.send({MessageKind::gradient, j - 1, i}, std::move(input_grads));
-          }
-          cell = detail::CellMemory{};  // free this cell's activations now
-          break;
-        }
-        case ActionKind::input_grad: {
-          std::vector<torch::Tensor> outs;
-          std::vector<torch::Tensor> grads;
-          detail::backward_roots(cell, last, grad ? &grad->tensors : nullptr, outs, grads);
-          // A stashing cell's I starts from its outputs and its stashed tensors (with the gradients
-          // their popping stages sent back), as its B would; a popping cell's I also asks for the
-          // gradients of the skips it popped and sends them back at once, as it does its inputs'.
-          if (step.skips && !step.skips->add_roots(stages, j, i, outs, grads, mail)) {
-            throw detail::Aborted{};
-          }
-          std::vector<torch::Tensor> targets = cell.leaves;
-          const std::size_t inputs = targets.size();
-          if (step.skips) {
-            for (auto& t :
-                 step.skips->popped(static_cast<std::size_t>(j), static_cast<std::size_t>(i)))
-              targets.push_back(std::move(t));
-          }
-          cell.split.emplace();
-          auto input_grads = cell.split->input_grad(std::move(outs), std::move(grads), targets);
-          if (step.skips) {
-            const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs,
-                                                        input_grads.end());
-            step.skips->send_grads(j, i, mail, &skip_grads);
-            input_grads.resize(inputs);
-          }
-          if (j > 0) {
-            mail.send({MessageKind::gradient, j - 1, i},
-                      Message{std::move(input_grads), cell.input_atomic});
-          }
-          cell.outputs.clear();  // the split holds the graph until W
-          cell.loss = torch::Tensor();
-          break;
-        }
-        case ActionKind::weight_grad: {
-          TORCH_CHECK(cell.split, "stagewise::train_step: ", schedule::to_string(a),
-                      " runs before its input-gradient pass; verify the schedule");
-          cell.split->weight_grad();
-          cell = detail::CellMemory{};
-          break;
-        }
-      }
-    };
     try {
-      act();
+      detail::run_action(c, a, in, total);
     } catch (const detail::Aborted&) {
       throw;
     } catch (...) {

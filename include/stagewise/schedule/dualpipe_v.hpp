@@ -2,6 +2,7 @@
 
 #include "stagewise/coro/generator.hpp"
 #include "stagewise/schedule/action.hpp"
+#include "stagewise/schedule/detail/v_shape.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -20,16 +21,10 @@ namespace stagewise::schedule {
 struct dualpipe_v {
   /// Number of workers for `stages` stages: stages / 2.
   int workers(int stages) const {
-    TORCH_CHECK(stages >= 2 && stages % 2 == 0, "stagewise::schedule::dualpipe_v: ", stages,
-                " stages do not make a V; DualPipeV places 2 stages on each worker, give the pipe "
-                "an even number of stages (e.g. sw::even_balance(n, 2 * workers))");
-    return stages / 2;
+    return detail::v_workers(stages, "stagewise::schedule::dualpipe_v", "DualPipeV");
   }
   /// Worker w runs stages w and 2K-1-w.
-  int worker_of(int stage, int stages) const {
-    const int k = workers(stages);
-    return stage < k ? stage : 2 * k - 1 - stage;
-  }
+  int worker_of(int stage, int stages) const { return detail::v_worker_of(stage, workers(stages)); }
 
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     const int k = workers(stages);

@@ -205,10 +205,10 @@ inline Batch run_profiled_layer(torch::nn::Sequential& seq, std::size_t i, const
         in_layer_frame(*layer.ptr(), [&] { return call_first(layer, in, i == 0); });
     return any_to_batch(std::move(v), where);
   } catch (const c10::Error& e) {
-    C10_THROW_ERROR(Error, c10::str(who, ": ", where, " failed on the sample: ",
-                                    e.what_without_backtrace(),
-                                    " Give a sample the model accepts (model->forward(sample) "
-                                    "must work)."));
+    C10_THROW_ERROR(
+        Error, c10::str(who, ": ", where, " failed on the sample: ", e.what_without_backtrace(),
+                        " Give a sample the model accepts (model->forward(sample) "
+                        "must work)."));
   } catch (const std::exception& e) {
     C10_THROW_ERROR(Error, c10::str(who, ": ", where, " failed on the sample: ", e.what(),
                                     " Give a sample the model accepts (model->forward(sample) "
@@ -260,6 +260,28 @@ inline int64_t allocated_bytes(torch::Device device, const char* who) {
   return CountingCpuAllocator::instance().current();
 }
 
+// What profile_times and profile_sizes check first; returns the device they measure on.
+inline torch::Device profiling_device(const torch::nn::Sequential& model, const Batch& sample,
+                                      const BalanceOptions& options, const char* who) {
+  check_sample(sample, who);
+  refuse_gradients(*model, who);
+  return options.device().value_or(model_device(*model));
+}
+
+// One pass over the sandbox's layers in order: `layer(i, in)` runs layer i on the previous
+// layer's output (a fresh leaf) with the skips it pops, and returns its output.
+template <class Layer>
+void profile_pass(torch::nn::Sequential& seq, const Batch& sample, torch::Device device,
+                  Layer&& layer) {
+  ProfilingSkips skips;
+  UseSkipTracker use(skips);
+  Batch batch = sample_on(sample, device);
+  for (std::size_t i = 0; i < seq->size(); ++i) {
+    Batch in = fresh_input(batch, i > 0 || requires_grad(sample));
+    batch = layer(i, in);
+  }
+}
+
 }  // namespace detail
 
 /// Each layer's forward + backward time in seconds, measured on copies of `model`'s layers fed
@@ -271,18 +293,12 @@ inline int64_t allocated_bytes(torch::Device device, const char* who) {
 inline std::vector<double> profile_times(const torch::nn::Sequential& model, const Batch& sample,
                                          const BalanceOptions& options = {}) {
   const char* who = "stagewise::profile_times";
-  detail::check_sample(sample, who);
-  detail::refuse_gradients(*model, who);
-  const torch::Device device = options.device().value_or(detail::model_device(*model));
+  const torch::Device device = detail::profiling_device(model, sample, options, who);
   detail::Sandbox sandbox(model, device, who);
   auto& seq = sandbox.seq();
   std::vector<double> best(seq->size(), std::numeric_limits<double>::infinity());
   for (int round = 0; round <= options.rounds(); ++round) {  // round 0 warms up
-    detail::ProfilingSkips skips;
-    UseSkipTracker use(skips);
-    Batch batch = detail::sample_on(sample, device);
-    for (std::size_t i = 0; i < seq->size(); ++i) {
-      Batch in = detail::fresh_input(batch, i > 0 || detail::requires_grad(sample));
+    detail::profile_pass(seq, sample, device, [&](std::size_t i, const Batch& in) {
       detail::synchronize(device);
       const auto start = std::chrono::steady_clock::now();
       Batch out = detail::run_profiled_layer(seq, i, in, who);
@@ -290,8 +306,8 @@ inline std::vector<double> profile_times(const torch::nn::Sequential& model, con
       detail::synchronize(device);
       const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
       if (round > 0) best[i] = std::min(best[i], took.count());
-      batch = std::move(out);
-    }
+      return out;
+    });
   }
   return best;
 }
@@ -304,20 +320,14 @@ inline std::vector<double> profile_times(const torch::nn::Sequential& model, con
 inline std::vector<double> profile_sizes(const torch::nn::Sequential& model, const Batch& sample,
                                          const BalanceOptions& options = {}) {
   const char* who = "stagewise::profile_sizes";
-  detail::check_sample(sample, who);
-  detail::refuse_gradients(*model, who);
-  const torch::Device device = options.device().value_or(detail::model_device(*model));
+  const torch::Device device = detail::profiling_device(model, sample, options, who);
   if (!device.is_cpu()) (void)detail::allocated_bytes(device, who);  // fails early without CUDA
   detail::Sandbox sandbox(model, device, who);
   auto& seq = sandbox.seq();
   std::vector<double> sizes;
   std::optional<detail::CountCpuBytes> counting;
   if (device.is_cpu()) counting.emplace();
-  detail::ProfilingSkips skips;
-  UseSkipTracker use(skips);
-  Batch batch = detail::sample_on(sample, device);
-  for (std::size_t i = 0; i < seq->size(); ++i) {
-    Batch in = detail::fresh_input(batch, i > 0 || detail::requires_grad(sample));
+  detail::profile_pass(seq, sample, device, [&](std::size_t i, const Batch& in) {
     detail::synchronize(device);
     const int64_t before = detail::allocated_bytes(device, who);
     Batch out = detail::run_profiled_layer(seq, i, in, who);
@@ -329,8 +339,8 @@ inline std::vector<double> profile_sizes(const torch::nn::Sequential& model, con
     }
     sizes.push_back(static_cast<double>(std::max<int64_t>(after - before, 0)) +
                     options.param_scale() * params);
-    batch = std::move(out);
-  }
+    return out;
+  });
   return sizes;
 }
 

@@ -1,9 +1,12 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
-#include "stagewise/pipe.hpp"
+#include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
+#include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/distributed/detail/step_values.hpp"
+#include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
@@ -178,18 +181,18 @@ class Pipe {
   /// `optim::FusedStep` over `parameters()`): equal, bit for bit, to train_step followed by the
   /// unfused optimizer's step.
   template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           Fused& fused, const Schedule& sched = {}) {
+    return ::stagewise::detail::with_fused_step(fused, [&](const std::function<void(int)>& before) {
+      return run(input, target, std::move(loss_fn), sched, before);
+    });
+  }
+
+  /// The fused train_step for one input tensor and one target tensor.
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {}) {
-    torch::Tensor loss;
-    try {
-      loss = run(Batch(input), Batch(target), std::move(loss_fn), sched,
-                 [&](int micro_batches) { fused.set_accumulation_steps(micro_batches); });
-    } catch (...) {
-      fused.reset_step();
-      throw;
-    }
-    fused.finish_step();
-    return loss;
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched);
   }
 
   /// This process's rank and the number of ranks.
@@ -251,6 +254,8 @@ class Pipe {
                   workers_);
     }
     const bool first = has_stage(0), last = has_stage(n - 1);
+    ::stagewise::detail::check_step_rows(first ? &input : nullptr, last ? &target : nullptr,
+                                         "stagewise::distributed::Pipe::train_step");
     runtime::TrainStep step;
     if (first) step.inputs = scatter(input, options_.chunks());
     if (last) step.targets = scatter(target, options_.chunks());
@@ -273,10 +278,7 @@ class Pipe {
                 step.targets.size(), "; give them the same number of rows");
     if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
     if (last) {
-      const double rows = static_cast<double>(target[0].size(0));
-      for (const auto& b : step.targets) {
-        step.weights.push_back(static_cast<double>(b[0].size(0)) / rows);
-      }
+      step.weights = ::stagewise::detail::row_weights(step.targets);
     } else {
       step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
       step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
@@ -287,8 +289,8 @@ class Pipe {
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
     schedule::verify_comms(plan, routes_);
     if (!skips_->empty()) {
-      step.skips = std::make_shared<::stagewise::runtime::detail::TrainSkips>(skips_, stages_.size(),
-                                                                     static_cast<std::size_t>(m));
+      step.skips = std::make_shared<::stagewise::runtime::detail::TrainSkips>(
+          skips_, stages_.size(), static_cast<std::size_t>(m));
     }
     // This rank's inputs on stage 0's device and targets on the last stage's (see Pipe).
     runtime::StreamFence fence(stages_);
