@@ -259,10 +259,6 @@ class Pipe {
     runtime::TrainStep step;
     if (first) step.inputs = scatter(input, options_.chunks());
     if (last) step.targets = scatter(target, options_.chunks());
-    TORCH_CHECK(!first || !last || step.inputs.size() == step.targets.size(),
-                "stagewise::distributed::Pipe::train_step: input and target split into ",
-                step.inputs.size(), " and ", step.targets.size(),
-                " micro-batches; give them the same number of rows");
     // The first stage's rank decides the number of micro-batches; the others learn it.
     const std::string key = prefix_ + "/step/" + std::to_string(steps_);
     int m = 0;
