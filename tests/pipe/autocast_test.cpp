@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/autocast.hpp"
+#include "tests/support/schedule_fixture.hpp"
 
 #include <doctest/doctest.h>
 
@@ -33,19 +34,6 @@ torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
 torch::nn::Sequential mlp() {
   return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(), torch::nn::Linear(8, 8),
                                torch::nn::Tanh(), torch::nn::Linear(8, 3));
-}
-
-// The unpipelined model on the same micro-batches: all forwards, then the backwards in reverse.
-void reference_step(torch::nn::SequentialImpl& seq, const torch::Tensor& x, const torch::Tensor& t,
-                    int64_t chunks) {
-  auto xs = x.chunk(chunks);
-  auto ts = t.chunk(chunks);
-  std::vector<torch::Tensor> losses;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq.forward(xs[i]), ts[i]) * w);
-  }
-  for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
 }
 
 void check_same(torch::nn::Module& a, torch::nn::Module& b, const std::string& what) {
@@ -84,7 +72,7 @@ TEST_SUITE("autocast") {
       }
       {
         CpuAutocast autocast;
-        reference_step(*ref, x, t, 2);
+        sw::testing::reference_step(*ref, x, t, 2, /*ascending=*/false, mse);
       }
       check_same(*pipe, *ref, "train_step " + std::to_string(step));
       opt.step();

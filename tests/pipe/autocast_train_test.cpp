@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/autocast.hpp"
+#include "tests/support/schedule_fixture.hpp"
 
 #include <doctest/doctest.h>
 
@@ -33,28 +34,6 @@ torch::nn::Sequential mlp() {
   return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(), torch::nn::Linear(8, 8),
                                torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::ReLU(),
                                torch::nn::Linear(8, 3), torch::nn::Tanh());
-}
-
-// Unpipelined training on the same micro-batches under the caller's autocast: every forward, then
-// the backwards in the order the pipe's stages run them (GPipe and looped BFS: M-1 .. 0; the
-// others 0 .. M-1). Returns the summed, weighted loss.
-torch::Tensor reference_step(torch::nn::SequentialImpl& seq, const torch::Tensor& x,
-                             const torch::Tensor& t, int64_t chunks, bool ascending) {
-  auto xs = x.chunk(chunks);
-  auto ts = t.chunk(chunks);
-  std::vector<torch::Tensor> losses;
-  torch::Tensor total;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq.forward(xs[i]), ts[i]) * w);
-    total = total.defined() ? total + losses.back().detach() : losses.back().detach();
-  }
-  if (ascending) {
-    for (auto& l : losses) l.backward();
-  } else {
-    for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
-  }
-  return total;
 }
 
 // Three SGD steps of the pipe and of the reference, each under CPU autocast, in every mode.
@@ -83,7 +62,8 @@ void check_steps(const Schedule& s, const sw::balance& b, bool ascending) {
       }
       {
         CpuAutocastRegion region;
-        expected_loss = reference_step(*ref, x, t, 4, ascending);
+        // The reference runs under the caller's autocast, with this file's mse.
+        expected_loss = sw::testing::reference_step(*ref, x, t, 4, ascending, mse);
       }
       CHECK(loss.item<float>() == expected_loss.item<float>());
       auto got = pipe->parameters();

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/schedule_fixture.hpp"
 
 #include <doctest/doctest.h>
 
@@ -28,23 +29,6 @@ torch::nn::Sequential mlp() {
   return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(), torch::nn::Linear(8, 8),
                                torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::ReLU(),
                                torch::nn::Linear(8, 3));
-}
-
-// Unpipelined training on the same micro-batches: all forwards, then the backwards in reverse
-// order (the order each stage of the pipe runs them), so the arithmetic is the same.
-torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
-                             const torch::Tensor& t, int64_t chunks) {
-  auto xs = x.chunk(chunks);
-  auto ts = t.chunk(chunks);
-  std::vector<torch::Tensor> losses;
-  torch::Tensor total;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq->forward(xs[i]), ts[i]) * w);
-    total = total.defined() ? total + losses.back().detach() : losses.back().detach();
-  }
-  for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
-  return total;
 }
 
 std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
@@ -81,7 +65,7 @@ TEST_SUITE("train_step") {
       auto seq = mlp();
       auto x = torch::randn({10, 6});  // 10 rows in 4 chunks: 3, 3, 3, 1
       auto t = torch::randn({10, 3});
-      auto expected_loss = reference_step(seq, x, t, 4);
+      auto expected_loss = sw::testing::reference_step(*seq, x, t, 4);
       auto expected = grads_of(*seq);
       seq->zero_grad();
 
@@ -106,8 +90,8 @@ TEST_SUITE("train_step") {
     auto seq = mlp();
     auto x = torch::randn({8, 6});
     auto t = torch::randn({8, 3});
-    reference_step(seq, x, t, 2);
-    reference_step(seq, x, t, 2);
+    sw::testing::reference_step(*seq, x, t, 2);
+    sw::testing::reference_step(*seq, x, t, 2);
     auto expected = grads_of(*seq);
     seq->zero_grad();
     auto pipe = sw::Pipe(seq, sw::balance{3, 4}, sw::PipeOptions().chunks(2));
@@ -124,7 +108,7 @@ TEST_SUITE("train_step") {
       auto x = torch::randn({8, 6});
       auto t = torch::randn({8, 3});
       torch::manual_seed(11);
-      reference_step(seq, x, t, 4);
+      sw::testing::reference_step(*seq, x, t, 4);
       auto expected = grads_of(*seq);
       seq->zero_grad();
       auto pipe = sw::Pipe(seq, sw::balance{2, 1}, sw::PipeOptions().chunks(4).checkpoint(mode));

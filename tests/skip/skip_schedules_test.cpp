@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "tests/support/kernels.hpp"
+#include "tests/support/schedule_fixture.hpp"
 #include "tests/support/unet.hpp"
 
 #include <doctest/doctest.h>
@@ -78,20 +79,7 @@ std::pair<torch::Tensor, std::vector<torch::Tensor>> reference(torch::nn::Sequen
                                                                const torch::Tensor& t, int chunks,
                                                                bool ascending) {
   seq->zero_grad();
-  auto xs = x.chunk(chunks);
-  auto ts = t.chunk(chunks);
-  std::vector<torch::Tensor> losses;
-  torch::Tensor total;
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq->forward(xs[i]), ts[i]) * w);
-    total = total.defined() ? total + losses.back().detach() : losses.back().detach();
-  }
-  if (ascending) {
-    for (auto& l : losses) l.backward();
-  } else {
-    for (auto it = losses.rbegin(); it != losses.rend(); ++it) it->backward();
-  }
+  const auto total = sw::testing::reference_step(*seq, x, t, chunks, ascending, mse);
   std::vector<torch::Tensor> grads;
   for (auto& p : seq->parameters()) grads.push_back(p.grad().clone());
   seq->zero_grad();

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -32,17 +33,20 @@ inline torch::nn::Sequential mlp(double dropout = 0.0) {
 }
 
 /// Unpipelined training on the same micro-batches: every forward, then the backwards in the
-/// order each stage of the pipe runs them (GPipe: M-1 .. 0; the others 0 .. M-1), so each
-/// parameter's gradient sums the same terms in the same order and the result is bit for bit equal.
-inline torch::Tensor reference_step(torch::nn::Sequential& seq, const torch::Tensor& x,
-                                    const torch::Tensor& t, int64_t chunks, bool ascending) {
+/// order each stage of the pipe runs them (GPipe and looped BFS: M-1 .. 0; the others 0 .. M-1),
+/// so each parameter's gradient sums the same terms in the same order and the result is bit for
+/// bit equal. Returns the summed loss, each micro-batch's weighted by its share of the rows.
+inline torch::Tensor reference_step(
+    torch::nn::SequentialImpl& seq, const torch::Tensor& x, const torch::Tensor& t, int64_t chunks,
+    bool ascending = false,
+    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss = mse) {
   auto xs = x.chunk(chunks);
   auto ts = t.chunk(chunks);
   std::vector<torch::Tensor> losses;
   torch::Tensor total;
   for (std::size_t i = 0; i < xs.size(); ++i) {
     const double w = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-    losses.push_back(mse(seq->forward(xs[i]), ts[i]) * w);
+    losses.push_back(loss(seq.forward(xs[i]), ts[i]) * w);
     total = total.defined() ? total + losses.back().detach() : losses.back().detach();
   }
   if (ascending) {
@@ -75,7 +79,7 @@ void check_equal_to_reference(const Schedule& s, const balance& b, bool ascendin
     auto x = torch::randn({10, 6});
     auto t = torch::randn({10, 3});
     torch::manual_seed(5);
-    auto expected_loss = reference_step(seq, x, t, 4, ascending);
+    auto expected_loss = reference_step(*seq, x, t, 4, ascending);
     auto expected = grads_of(*seq);
     seq->zero_grad();
     auto pipe = Pipe(seq, b, PipeOptions().chunks(4).checkpoint(mode));
