@@ -2,7 +2,7 @@
 // layers run unpipelined; the fused optimizer step against the standard one; ParallelBranches of 8
 // small experts against the same experts run one after another. Every figure is defined in
 // docs/benchmarks.md ("pipe_cuda (GPU)").
-//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32]
+//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcd]
 // Needs a CUDA LibTorch and a GPU: without one it exits with code 2 and says so.
 //
 // (a) large: 16 x (Linear(4096,4096), GELU) in 4 stages of 4 layers, batch 1024, chunks 8 (128-row
@@ -18,16 +18,19 @@
 // (c) the large model with Adam: train_step (1F1B, checkpoint never) + Adam::step() + gradients to
 //     none, against train_step with Adam fused into backward (optim::FusedStep); the same for the
 //     whole batch. Peaks measured with only that variant's optimizer alive.
-// (d) 8 experts [Linear(512,1024), GELU, Linear(1024,512)], 128 rows each: one after another on the
-//     caller's thread, against ParallelBranches::forward_each (forward and backward).
+// (d) 8 small experts [Linear(512,1024), GELU, Linear(1024,512)], 128 rows each: one after
+//     another on the caller's thread, against ParallelBranches::forward_each (forward and
+//     backward), against ParallelBranches with a pool of one thread (each expert on its own
+//     stream, launched one after another), and the forward alone; (d2) the same for experts 16
+//     times larger [Linear(2048,8192), GELU, Linear(8192,2048)] with as few rows.
 //
 // The last line is
 //   pipe_cuda overhead_vs_loop=X ckpt_always_peak_ratio=Y branches_speedup=Z
 // overhead_vs_loop: (a) train_step with the 1F1B schedule, checkpoint never / the micro-batch loop,
 //   wall time, median of the per-round ratios (goal on an H100: <= 1.02);
 // ckpt_always_peak_ratio: (a) peak of train_step 1F1B with checkpoint always / with never;
-// branches_speedup: (d) the experts one after another / ParallelBranches, forward+backward wall
-//   time, median of the per-round ratios (goal on an H100: >= 1.5).
+// branches_speedup: (d) the headline experts one after another / ParallelBranches,
+//   forward+backward wall time, median of the per-round ratios (goal on an H100: >= 1.5).
 // A phase that does not finish within its time limit (a hang) ends the program with code 3 after
 // printing the last line with nan for the figures not measured.
 #include <stagewise/stagewise.hpp>
@@ -190,6 +193,7 @@ struct Options {
   bool quick = false;
   bool tf32 = false;
   std::string device = "cuda:0";
+  std::string sections = "abcd";
 };
 
 struct ModelSpec {
@@ -500,6 +504,9 @@ OptimResult optimizer_section(const ModelSpec& spec, const Gpu& gpu, const Optio
 
 constexpr const char* kSequential = "experts one after another";
 constexpr const char* kParallel = "ParallelBranches";
+constexpr const char* kStreamsOnly = "ParallelBranches, pool of 1 (streams only)";
+constexpr const char* kForwardSequential = "forward only, one after another";
+constexpr const char* kForwardParallel = "forward only, ParallelBranches";
 
 struct ExpertSpec {
   int64_t experts, dim, hidden, rows;
@@ -508,6 +515,8 @@ struct ExpertSpec {
 struct Experts {
   std::vector<torch::nn::Sequential> list;
   sw::ParallelBranches branches;
+  sw::ParallelBranches one_thread{sw::ParallelBranchesOptions().pool(
+      std::make_shared<sw::ThreadPool>(1))};
   std::vector<torch::Tensor> inputs;
   std::vector<torch::Tensor> grads_to_reset;
 
@@ -518,6 +527,7 @@ struct Experts {
                         torch::nn::Linear(spec.hidden, spec.dim));
       list.back()->to(device);
       branches->push_back(list.back());
+      one_thread->push_back(list.back());
       inputs.push_back(torch::randn({spec.rows, spec.dim}, device).requires_grad_(true));
     }
     grads_to_reset = branches->parameters();
@@ -529,41 +539,65 @@ struct Experts {
     for (std::size_t i = 1; i < outs.size(); ++i) loss = loss + outs[i].sum();
     return loss;
   }
-  void sequential_step() {
-    reset_grads(grads_to_reset);
+  std::vector<torch::Tensor> sequential_forward() {
     std::vector<torch::Tensor> outs;
     for (std::size_t i = 0; i < list.size(); ++i) outs.push_back(list[i]->forward(inputs[i]));
-    loss_of(outs).backward();
+    return outs;
   }
-  void parallel_step() {
+  void sequential_step() {
     reset_grads(grads_to_reset);
-    loss_of(branches->forward_each(inputs)).backward();
+    loss_of(sequential_forward()).backward();
+  }
+  void parallel_step(sw::ParallelBranches& with) {
+    reset_grads(grads_to_reset);
+    loss_of(with->forward_each(inputs)).backward();
   }
 };
 
-bench::Summary branches_section(const ExpertSpec& spec, const Gpu& gpu, const Options& opt,
-                                Watchdog& watchdog) {
+// One expert size: the experts one after another against ParallelBranches (forward+backward),
+// and the forward alone, to tell where the time goes. Returns the forward+backward speed-up.
+bench::Summary branches_table(const std::string& label, const ExpertSpec& spec, int calls,
+                              const Gpu& gpu, const Options& opt, Watchdog& watchdog) {
   Experts experts(spec, gpu.device);
   std::printf(
-      "(d) branches: %lld experts [Linear(%lld,%lld), GELU, Linear(%lld,%lld)], %lld rows each, "
-      "forward+backward; ParallelBranches on the default pool of %zu threads\n",
-      static_cast<long long>(spec.experts), static_cast<long long>(spec.dim),
+      "%s: %lld experts [Linear(%lld,%lld), GELU, Linear(%lld,%lld)], %lld rows each; "
+      "ParallelBranches on the default pool of %zu threads\n",
+      label.c_str(), static_cast<long long>(spec.experts), static_cast<long long>(spec.dim),
       static_cast<long long>(spec.hidden), static_cast<long long>(spec.hidden),
       static_cast<long long>(spec.dim), static_cast<long long>(spec.rows),
       sw::default_thread_pool()->size());
   std::fflush(stdout);
   // A backward that waits on other threads' CUDA backward can deadlock (the device has one
   // autograd thread): one step first, under a short limit.
-  watchdog.phase("(d) the first ParallelBranches step on CUDA", std::chrono::seconds(60));
-  gpu.synced([&] { experts.parallel_step(); })();
-  watchdog.phase("(d) branches rounds", std::chrono::seconds(300));
-  bench::Rounds r(opt.rounds, opt.quick ? 1 : 10, /*warmup=*/2);
+  watchdog.phase(label + ": the first ParallelBranches step on CUDA", std::chrono::seconds(60));
+  gpu.synced([&] { experts.parallel_step(experts.branches); })();
+  watchdog.phase(label + ": rounds", std::chrono::seconds(300));
+  bench::Rounds r(opt.rounds, opt.quick ? 1 : calls, /*warmup=*/2);
   r.add(kSequential, gpu.synced([&] { experts.sequential_step(); }));
-  r.add(kParallel, gpu.synced([&] { experts.parallel_step(); }));
+  r.add(kParallel, gpu.synced([&] { experts.parallel_step(experts.branches); }));
+  r.add(kStreamsOnly, gpu.synced([&] { experts.parallel_step(experts.one_thread); }));
+  r.add(kForwardSequential, gpu.synced([&] { (void)experts.sequential_forward(); }));
+  r.add(kForwardParallel, gpu.synced([&] { (void)experts.branches->forward_each(experts.inputs); }));
   r.run();
   r.print();
   const auto speedup = r.wall_ratio(kSequential, kParallel);
   bench::print_figure("speed-up, one after another / ParallelBranches", speedup, "x");
+  bench::print_figure("speed-up, one after another / streams only",
+                      r.wall_ratio(kSequential, kStreamsOnly), "x");
+  bench::print_figure("speed-up of the forward alone",
+                      r.wall_ratio(kForwardSequential, kForwardParallel), "x");
+  std::fflush(stdout);
+  return speedup;
+}
+
+// The headline experts are small ones, as the issue that asked for this figure defined them; then
+// experts 16 times larger with as few rows, whose products keep the GPU busy one at a time.
+bench::Summary branches_section(bool quick, const Gpu& gpu, const Options& opt,
+                                Watchdog& watchdog) {
+  const ExpertSpec small{8, quick ? 32 : 512, quick ? 64 : 1024, quick ? 16 : 128};
+  const ExpertSpec larger{8, quick ? 64 : 2048, quick ? 128 : 8192, quick ? 32 : 128};
+  const auto speedup = branches_table("(d) branches", small, 10, gpu, opt, watchdog);
+  branches_table("(d2) branches, larger experts", larger, 10, gpu, opt, watchdog);
   return speedup;
 }
 
@@ -572,7 +606,7 @@ bench::Summary branches_section(const ExpertSpec& spec, const Gpu& gpu, const Op
 [[noreturn]] void usage_error(const std::string& what) {
   std::fprintf(stderr,
                "pipe_cuda: %s\nusage: pipe_cuda [--rounds N] [--quick] [--device cuda:N] "
-               "[--tf32]\n",
+               "[--tf32] [--sections abcd]\n",
                what.c_str());
   std::exit(2);
 }
@@ -594,17 +628,26 @@ Options parse(int argc, char** argv) {
       if (opt.rounds < 1) usage_error("--rounds takes a number >= 1");
     } else if (arg == "--device" || arg.rfind("--device=", 0) == 0) {
       opt.device = value("--device");
+    } else if (arg == "--sections" || arg.rfind("--sections=", 0) == 0) {
+      opt.sections = value("--sections");
+      if (opt.sections.empty() ||
+          opt.sections.find_first_not_of("abcd") != std::string::npos) {
+        usage_error("--sections takes letters of abcd, e.g. --sections d (got '" + opt.sections +
+                    "')");
+      }
     } else if (arg == "--quick") {
       opt.quick = true;
     } else if (arg == "--tf32") {
       opt.tf32 = true;
     } else if (arg == "-h" || arg == "--help") {
       std::printf(
-          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32]\n"
+          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcd]\n"
           "  --rounds N       alternating rounds per table (default 7; 2 with --quick)\n"
           "  --quick          small sizes, for a smoke run (its figures mean nothing)\n"
           "  --device cuda:N  the GPU (default cuda:0); every stage goes there\n"
           "  --tf32           allow TF32 in fp32 matrix products (default: LibTorch's setting)\n"
+          "  --sections abcd  the sections to run (default all; the last line says nan for\n"
+          "                   the figures of sections left out)\n"
           "Figures: docs/benchmarks.md, section \"pipe_cuda (GPU)\".\n");
       std::exit(0);
     } else {
@@ -634,9 +677,9 @@ int main(int argc, char** argv) {
   }
   if (!parsed->is_cuda()) usage_error("--device '" + opt.device + "' is not a CUDA device");
   const c10::DeviceIndex index = parsed->has_index() ? parsed->index() : c10::DeviceIndex{0};
-  const auto count = torch::cuda::device_count();
-  if (index < 0 || static_cast<std::size_t>(index) >= count) {
-    std::fprintf(stderr, "pipe_cuda: --device %s, but this machine has %zu CUDA device(s)\n",
+  const int count = static_cast<int>(torch::cuda::device_count());  // size_t or DeviceIndex
+  if (index < 0 || index >= count) {
+    std::fprintf(stderr, "pipe_cuda: --device %s, but this machine has %d CUDA device(s)\n",
                  opt.device.c_str(), count);
     return 2;
   }
@@ -691,27 +734,34 @@ int main(int argc, char** argv) {
                         q ? 256 : 1024,
                         8,
                         q ? 1 : 5};
-  const ExpertSpec experts{8, q ? 64 : 512, q ? 128 : 1024, q ? 32 : 128};
+  const auto runs = [&](char section) { return opt.sections.find(section) != std::string::npos; };
 
-  watchdog.phase("(a) large model", std::chrono::seconds(300));
-  const ModelResult a = model_section("(a) large", large, gpu, opt, /*cpu_stage=*/false);
-  overhead = a.overhead_vs_loop.median;
-  ckpt_ratio = a.always_peak_ratio;
-  std::fflush(stdout);
-
-  watchdog.phase("(b) small model", std::chrono::seconds(300));
-  model_section("(b) small", small, gpu, opt, /*cpu_stage=*/true);
-  std::fflush(stdout);
-
-  watchdog.phase("(c) optimizer", std::chrono::seconds(300));
-  optimizer_section(large, gpu, opt);
-  std::fflush(stdout);
-
-  branches = branches_section(experts, gpu, opt, watchdog).median;
+  ModelResult a;
+  if (runs('a')) {
+    watchdog.phase("(a) large model", std::chrono::seconds(300));
+    a = model_section("(a) large", large, gpu, opt, /*cpu_stage=*/false);
+    overhead = a.overhead_vs_loop.median;
+    ckpt_ratio = a.always_peak_ratio;
+    std::fflush(stdout);
+  }
+  if (runs('b')) {
+    watchdog.phase("(b) small model", std::chrono::seconds(300));
+    model_section("(b) small", small, gpu, opt, /*cpu_stage=*/true);
+    std::fflush(stdout);
+  }
+  if (runs('c')) {
+    watchdog.phase("(c) optimizer", std::chrono::seconds(300));
+    optimizer_section(large, gpu, opt);
+    std::fflush(stdout);
+  }
+  if (runs('d')) branches = branches_section(q, gpu, opt, watchdog).median;
 
   watchdog.phase("the summary", std::chrono::seconds(60));
-  std::printf("summary, medians of the per-round ratios [min, max]\n");
-  bench::print_figure("overhead_vs_loop: train_step 1F1B, never / loop", a.overhead_vs_loop, "x");
+  if (runs('a')) {
+    std::printf("summary, medians of the per-round ratios [min, max]\n");
+    bench::print_figure("overhead_vs_loop: train_step 1F1B, never / loop", a.overhead_vs_loop,
+                        "x");
+  }
   last_line();
   return 0;
 }

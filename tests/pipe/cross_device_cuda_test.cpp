@@ -216,10 +216,10 @@ TEST_SUITE("gradients across devices") {
                                   torch::nn::Linear(width, width), Pop());
         std::vector<int64_t> balance =
             devices.size() == 2 ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{2, 2, 1};
-        auto l1 = seq[1]->as<torch::nn::Linear>()->weight.clone();
-        auto b1 = seq[1]->as<torch::nn::Linear>()->bias.clone();
-        auto l3 = seq[3]->as<torch::nn::Linear>()->weight.clone();
-        auto b3 = seq[3]->as<torch::nn::Linear>()->bias.clone();
+        auto l1 = seq[1]->as<torch::nn::Linear>()->weight.detach().clone();
+        auto b1 = seq[1]->as<torch::nn::Linear>()->bias.detach().clone();
+        auto l3 = seq[3]->as<torch::nn::Linear>()->weight.detach().clone();
+        auto b3 = seq[3]->as<torch::nn::Linear>()->bias.detach().clone();
         auto pipe = sw::Pipe(seq, sw::balance(balance.begin(), balance.end()),
                              sw::PipeOptions().chunks(4).checkpoint(mode).devices(devices));
         const auto x = torch::randn({512, width});

@@ -68,6 +68,30 @@ TEST_SUITE("streams on CUDA") {
     }
   }
 
+  // The control for the case above: the same reads after a plain non-blocking copy to the CPU,
+  // the copy the pipe made before copy_to. It returns pinned memory that the GPU fills later, so
+  // reading it at once sees stale data; this shows the case above would catch that.
+  TEST_CASE("copy_cuda: control: a plain non-blocking GPU-to-CPU copy is read before it lands" *
+            doctest::skip(no_cuda)) {
+    const torch::Device gpu(torch::kCUDA, 0);
+    auto producer = sw::runtime::new_stream(gpu);
+    int stale = 0;
+    for (int round = 0; round < 20; ++round) {
+      torch::Tensor y;
+      {
+        c10::StreamGuard guard(producer);
+        keep_busy(gpu);
+        auto x =
+            torch::full({1 << 22}, static_cast<float>(round), torch::TensorOptions().device(gpu));
+        y = x.to(torch::kCPU, /*non_blocking=*/true);
+      }
+      stale += y.eq(static_cast<float>(round)).all().item<bool>() ? 0 : 1;
+      producer.synchronize();
+    }
+    MESSAGE(stale << " of 20 plain non-blocking copies were read before they landed");
+    CHECK(stale > 0);
+  }
+
   TEST_CASE("copy_cuda: a CPU-to-GPU copy keeps the source's values when it is overwritten" *
             doctest::skip(no_cuda)) {
     const torch::Device gpu(torch::kCUDA, 0);
@@ -83,13 +107,15 @@ TEST_SUITE("streams on CUDA") {
       }
       auto y = sw::runtime::copy_to(source, gpu, cpu_stream, copy, consumer);
       source.fill_(-1.0f);
-      torch::Tensor sum;
+      float sum = 0;
       {
+        // On the consumer stream, which copy_to made wait for the copy; item() reads the sum on
+        // that stream too (pool streams do not wait for the default stream, nor it for them).
         c10::StreamGuard guard(consumer);
-        sum = y.sum();  // on the consumer stream, which copy_to made wait for the copy
+        sum = y.sum().item<float>();
       }
       INFO("pinned " << pinned);
-      CHECK(sum.item<float>() == 3.0f * static_cast<float>(1 << 22));
+      CHECK(sum == 3.0f * static_cast<float>(1 << 22));
     }
   }
 
@@ -106,12 +132,12 @@ TEST_SUITE("streams on CUDA") {
     }
     auto y = sw::runtime::copy_to(x, gpu, producer, consumer, consumer);
     CHECK(y.is_same(x));
-    torch::Tensor sum;
+    float sum = 0;
     {
       c10::StreamGuard guard(consumer);
-      sum = y.sum();
+      sum = y.sum().item<float>();  // summed and read on the consumer stream
     }
-    CHECK(sum.item<float>() == 5.0f * static_cast<float>(1 << 22));
+    CHECK(sum == 5.0f * static_cast<float>(1 << 22));
   }
 
   TEST_CASE("pipe_cuda: gradients across two GPUs equal the CPU model's" *

@@ -35,7 +35,9 @@ class RngState {
     RngState s;
     s.cpu_ = read(torch::kCPU);
     if (torch::cuda::is_available()) {
-      for (std::size_t i = 0; i < torch::cuda::device_count(); ++i) {
+      // device_count() is a size_t before LibTorch 2.x's DeviceIndex: compare as int.
+      const int count = static_cast<int>(torch::cuda::device_count());
+      for (int i = 0; i < count; ++i) {
         const torch::Device d(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
         s.devices_.emplace_back(d, read(d));
       }
