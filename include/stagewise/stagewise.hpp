@@ -49,6 +49,7 @@
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/timeline.hpp"
+#include "stagewise/schedule/transfer_kind.hpp"
 #include "stagewise/schedule/verify.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"

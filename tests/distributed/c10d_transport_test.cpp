@@ -21,7 +21,7 @@
 namespace rt = stagewise::runtime;
 using rt::Message;
 using rt::MessageKey;
-using rt::MessageKind;
+using stagewise::schedule::TransferKind;
 using stagewise::testing::contains;
 using stagewise::testing::error_of;
 using stagewise::testing::RankOutcome;
@@ -95,15 +95,15 @@ TEST_SUITE("c10d transport") {
           rt::C10dTransport t(c, rank_of_two, {{0, 2}});
           t.begin_step(3, 3, 1);
           if (rank == 0) {
-            for (int m = 0; m < 3; ++m) t.send({MessageKind::activation, 1, m}, sample(m));
-            t.send({MessageKind::skip, 2, 0, 0}, sample(1));  // local: same rank
-            check_sample(t.recv({MessageKind::skip, 2, 0, 0}).value(), 1);
-            auto g = t.recv({MessageKind::gradient, 0, 1}).value();
+            for (int m = 0; m < 3; ++m) t.send({TransferKind::activation, 1, m}, sample(m));
+            t.send({TransferKind::skip, 2, 0, 0}, sample(1));  // local: same rank
+            check_sample(t.recv({TransferKind::skip, 2, 0, 0}).value(), 1);
+            auto g = t.recv({TransferKind::gradient, 0, 1}).value();
             expect_equal(g.tensors.at(0), sample(1).tensors[0] * 2, "gradient");
           } else {
             for (int m : {2, 0, 1})
-              check_sample(t.recv({MessageKind::activation, 1, m}).value(), m);
-            t.send({MessageKind::gradient, 0, 1}, {{sample(1).tensors[0] * 2}, true});
+              check_sample(t.recv({TransferKind::activation, 1, m}).value(), m);
+            t.send({TransferKind::gradient, 0, 1}, {{sample(1).tensors[0] * 2}, true});
           }
           // Only messages between ranks count, with their tensors' bytes: 56 + 24 + 120 bytes of
           // activations from rank 0, a 24-byte gradient back; the local skip moves nothing.
@@ -134,7 +134,7 @@ TEST_SUITE("c10d transport") {
           rt::C10dTransport t(c, rank_of_two);
           for (int step = 0; step < 3; ++step) {
             t.begin_step(2, 1, 0);
-            const MessageKey k{MessageKind::activation, 1, 0};
+            const MessageKey k{TransferKind::activation, 1, 0};
             if (rank == 0) {
               t.send(k, {{torch::full({2}, step)}, true});
             } else {
@@ -159,11 +159,11 @@ TEST_SUITE("c10d transport") {
           if (rank == 2) {
             std::this_thread::sleep_for(200ms);
             t.abort(std::make_exception_ptr(std::runtime_error("boom in stage 2")));
-            expect(!t.recv({MessageKind::activation, 2, 0}).has_value(),
+            expect(!t.recv({TransferKind::activation, 2, 0}).has_value(),
                    "recv after abort gave a message");
             return;
           }
-          const std::string e = error_of([&] { t.recv({MessageKind::gradient, rank, 0}); });
+          const std::string e = error_of([&] { t.recv({TransferKind::gradient, rank, 0}); });
           const auto waited = std::chrono::steady_clock::now() - start;
           stagewise::testing::report(e);
           expect(waited < 5s, "took too long to fail");
@@ -195,7 +195,7 @@ TEST_SUITE("c10d transport") {
             ::raise(SIGKILL);
           }
           // Rank 1 waits on rank 2 (which dies); rank 0 waits on rank 1 (which is alive).
-          stagewise::testing::report(error_of([&] { t.recv({MessageKind::gradient, rank, 0}); }));
+          stagewise::testing::report(error_of([&] { t.recv({TransferKind::gradient, rank, 0}); }));
         },
         60s);
     CHECK(of(r, 2).status == -SIGKILL);
@@ -220,7 +220,7 @@ TEST_SUITE("c10d transport") {
             std::this_thread::sleep_for(200ms);
             ::raise(SIGKILL);
           }
-          stagewise::testing::report(error_of([&] { t.recv({MessageKind::activation, 1, 0}); }));
+          stagewise::testing::report(error_of([&] { t.recv({TransferKind::activation, 1, 0}); }));
         },
         60s);
     CHECK(of(r, 0).status == -SIGKILL);
@@ -245,7 +245,7 @@ TEST_SUITE("c10d transport") {
                       rt::C10dOptions().timeout(20s));
             t->begin_step(2, 3, 0);
             if (rank == 0) {
-              for (int m = 0; m < 3; ++m) t->send({MessageKind::activation, 1, m}, sample(m));
+              for (int m = 0; m < 3; ++m) t->send({TransferKind::activation, 1, m}, sample(m));
               t.reset();
               c.store->set(done, std::vector<std::uint8_t>{1});
               // Connected until rank 1 is through: its error cases post receives from rank 0.
@@ -253,15 +253,15 @@ TEST_SUITE("c10d transport") {
               continue;
             }
             std::vector<MessageKey> keys;
-            for (int m = 0; m < 3; ++m) keys.push_back({MessageKind::activation, 1, m});
-            keys.push_back({MessageKind::activation, 2, 0});  // from rank 1 itself: left alone
+            for (int m = 0; m < 3; ++m) keys.push_back({TransferKind::activation, 1, m});
+            keys.push_back({TransferKind::activation, 2, 0});  // from rank 1 itself: left alone
             t->expect(keys);
             while (!c.store->check({done})) std::this_thread::sleep_for(5ms);
             for (int m : {1, 2, 0}) {
-              check_sample(t->recv({MessageKind::activation, 1, m}).value(), m);
+              check_sample(t->recv({TransferKind::activation, 1, m}).value(), m);
             }
             if (step == 1) {  // last: a receive left posted must not meet a later message
-              expect(error_of([&] { t->expect({{MessageKind::activation, 0, 0}}); }) ==
+              expect(error_of([&] { t->expect({{TransferKind::activation, 0, 0}}); }) ==
                          "stagewise::C10dTransport::expect: the activation of micro-batch 0 for "
                          "stage 0 has no sending stage (stage 0 receives no activation)",
                      "a key nobody sends is refused");
@@ -288,8 +288,8 @@ TEST_SUITE("c10d transport") {
           auto c = connected();
           rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
           t.begin_step(2, 1, 0);
-          const MessageKey k = rank == 0 ? MessageKey{MessageKind::gradient, 0, 0}
-                                         : MessageKey{MessageKind::activation, 1, 0};
+          const MessageKey k = rank == 0 ? MessageKey{TransferKind::gradient, 0, 0}
+                                         : MessageKey{TransferKind::activation, 1, 0};
           t.expect({k});
           stagewise::testing::report(error_of([&] { t.recv(k); }));
         },
@@ -310,8 +310,8 @@ TEST_SUITE("c10d transport") {
           auto c = connected();
           rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
           // Both wait and nobody sends: a wrong plan would do this.
-          const MessageKey k = rank == 0 ? MessageKey{MessageKind::gradient, 0, 0}
-                                         : MessageKey{MessageKind::activation, 1, 0};
+          const MessageKey k = rank == 0 ? MessageKey{TransferKind::gradient, 0, 0}
+                                         : MessageKey{TransferKind::activation, 1, 0};
           stagewise::testing::report(error_of([&] { t.recv(k); }));
         },
         60s);
@@ -332,7 +332,7 @@ TEST_SUITE("c10d transport") {
           auto c = connected();
           rt::C10dTransport t(c, rank_of_two);
           stagewise::testing::report(error_of([&] {
-            t.send({MessageKind::activation, 1, 5000}, {{torch::ones(1)}, true});
+            t.send({TransferKind::activation, 1, 5000}, {{torch::ones(1)}, true});
           }));
         },
         60s);

@@ -19,8 +19,8 @@ namespace stagewise::runtime {
 /// tensors and skip gradients), one mutex, one condition variable per receiving stage, one abort.
 /// Slots are preallocated, so sending and receiving allocate nothing beyond the message itself.
 ///   MailboxTransport mail(/*stages=*/2, /*micro_batches=*/4, /*skips=*/0);
-///   mail.send({MessageKind::activation, 1, 0}, Message{{x}});
-///   auto m = mail.recv({MessageKind::activation, 1, 0});  // nullopt once aborted
+///   mail.send({schedule::TransferKind::activation, 1, 0}, Message{{x}});
+///   auto m = mail.recv({schedule::TransferKind::activation, 1, 0});  // nullopt once aborted
 class MailboxTransport {
  public:
   MailboxTransport(int stages, int micro_batches, int skips)
@@ -70,7 +70,7 @@ class MailboxTransport {
 
  private:
   std::size_t index(const MessageKey& k) const {
-    const bool skip = k.kind == MessageKind::skip || k.kind == MessageKind::skip_grad;
+    const bool skip = k.kind == schedule::TransferKind::skip || k.kind == schedule::TransferKind::skip_grad;
     TORCH_CHECK(k.stage >= 0 && k.stage < stages_ && k.micro >= 0 && k.micro < m_ &&
                     (!skip || (k.skip >= 0 && k.skip < skips_)),
                 "stagewise: a message for stage ", k.stage, ", micro-batch ", k.micro, ", skip ",
@@ -80,16 +80,16 @@ class MailboxTransport {
     const std::size_t per_cell = 2 + 2 * static_cast<std::size_t>(skips_);
     std::size_t offset = 0;
     switch (k.kind) {
-      case MessageKind::activation:
+      case schedule::TransferKind::activation:
         offset = 0;
         break;
-      case MessageKind::gradient:
+      case schedule::TransferKind::gradient:
         offset = 1;
         break;
-      case MessageKind::skip:
+      case schedule::TransferKind::skip:
         offset = 2 + static_cast<std::size_t>(k.skip);
         break;
-      case MessageKind::skip_grad:
+      case schedule::TransferKind::skip_grad:
         offset = 2 + skips_ + static_cast<std::size_t>(k.skip);
         break;
     }

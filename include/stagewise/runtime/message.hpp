@@ -1,5 +1,7 @@
 #pragma once
 
+#include "stagewise/schedule/transfer_kind.hpp"
+
 #include <torch/types.h>
 
 #include <cstddef>
@@ -9,17 +11,14 @@
 
 namespace stagewise::runtime {
 
-/// What a message between stages carries: a stage's output (activation), the gradient of a
-/// stage's input (gradient), a skip connection's stashed tensor (skip) or its gradient
-/// (skip_grad).
-///   MessageKey k{MessageKind::gradient, /*stage=*/0, /*micro=*/3};
-enum class MessageKind : std::uint8_t { activation, gradient, skip, skip_grad };
-
 /// Identifies one message of a step: what it is, the stage that receives it, the micro-batch, and
 /// for skip kinds the skip's index in the pipe's skip layout (-1 otherwise).
-///   MessageKey{MessageKind::skip, /*stage=*/2, /*micro=*/0, /*skip=*/1}
+/// The kind is the schedule layer's `TransferKind`: a stage's output (activation), the gradient of
+/// a stage's input (gradient), a skip connection's stashed tensor (skip) or its gradient
+/// (skip_grad).
+///   MessageKey{schedule::TransferKind::skip, /*stage=*/2, /*micro=*/0, /*skip=*/1}
 struct MessageKey {
-  MessageKind kind;
+  schedule::TransferKind kind;
   int stage;
   int micro;
   int skip = -1;
@@ -30,7 +29,7 @@ struct MessageKey {
 ///   std::unordered_map<MessageKey, Message, MessageKeyHash> box;
 struct MessageKeyHash {
   std::size_t operator()(const MessageKey& k) const noexcept {
-    std::size_t h = static_cast<std::size_t>(k.kind);
+    std::size_t h = static_cast<std::size_t>(schedule::index_of(k.kind));
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.stage));
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.micro));
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.skip));

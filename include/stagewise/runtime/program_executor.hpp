@@ -200,13 +200,13 @@ Inputs receive_inputs(ActionContext<Transport>& c, schedule::ActionKind kind) {
   Inputs in;
   if (kind == ActionKind::forward) {
     if (c.j > 0) {
-      in.activation = c.mail.recv({MessageKind::activation, c.j, c.i});
+      in.activation = c.mail.recv({schedule::TransferKind::activation, c.j, c.i});
       if (!in.activation) throw Aborted{};
     }
     if (c.step.skips && !c.step.skips->receive(c.stages, c.j, c.i, c.mail)) throw Aborted{};
   }
   if ((kind == ActionKind::backward || kind == ActionKind::input_grad) && !c.last) {
-    in.grad = c.mail.recv({MessageKind::gradient, c.j, c.i});
+    in.grad = c.mail.recv({schedule::TransferKind::gradient, c.j, c.i});
     if (!in.grad) throw Aborted{};
     const StageRuntime* next = c.stages[static_cast<std::size_t>(c.j + 1)].get();
     for (auto& g : in.grad->tensors) g = c.stage.take_in(g, next, static_cast<std::size_t>(c.i));
@@ -231,7 +231,7 @@ void run_forward(ActionContext<Transport>& c, Inputs& in, torch::Tensor& total) 
     sent.atomic = out.atomic();
     sent.tensors.reserve(out.size());
     for (const auto& t : out) sent.tensors.push_back(t.detach());
-    c.mail.send({MessageKind::activation, c.j + 1, c.i}, std::move(sent));
+    c.mail.send({schedule::TransferKind::activation, c.j + 1, c.i}, std::move(sent));
   }
 }
 
@@ -260,7 +260,7 @@ void run_backward(ActionContext<Transport>& c, Inputs& in) {
     input_grads.atomic = c.cell.input_atomic;
     input_grads.tensors.reserve(c.cell.leaves.size());
     for (auto& leaf : c.cell.leaves) input_grads.tensors.push_back(leaf.grad());
-    c.mail.send({MessageKind::gradient, c.j - 1, c.i}, std::move(input_grads));
+    c.mail.send({schedule::TransferKind::gradient, c.j - 1, c.i}, std::move(input_grads));
   }
   c.cell = CellMemory{};
 }
@@ -287,7 +287,7 @@ void run_input_grad(ActionContext<Transport>& c, Inputs& in) {
     input_grads.resize(inputs);
   }
   if (c.j > 0) {
-    c.mail.send({MessageKind::gradient, c.j - 1, c.i},
+    c.mail.send({schedule::TransferKind::gradient, c.j - 1, c.i},
                 Message{std::move(input_grads), c.cell.input_atomic});
   }
   c.cell.outputs.clear();  // the split holds the graph until W

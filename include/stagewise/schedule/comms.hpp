@@ -2,6 +2,7 @@
 
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/transfer_kind.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -16,14 +17,6 @@
 #include <vector>
 
 namespace stagewise::schedule {
-
-/// What a message between two stages carries.
-enum class TransferKind : char {
-  activation = 'a',  ///< a forward output, stage j to stage j+1
-  gradient = 'g',    ///< the gradient of that output, stage j+1 back to stage j
-  skip = 's',        ///< a skip tensor, stash stage to pop stage
-  skip_grad = 'k',   ///< the gradient of a skip tensor, pop stage back to stash stage
-};
 
 /// A skip connection as the schedule layer sees it: the stage that stashes the tensor and the
 /// (later) stage that pops it. `skip` layouts give these; tests write them by hand.

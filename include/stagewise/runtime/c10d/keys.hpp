@@ -12,11 +12,11 @@ namespace stagewise::runtime {
 namespace detail {
 
 inline std::string describe(const MessageKey& k) {
-  const char* what = k.kind == MessageKind::activation ? "the activation"
-                     : k.kind == MessageKind::gradient ? "the gradient"
-                     : k.kind == MessageKind::skip     ? "skip"
+  const char* what = k.kind == schedule::TransferKind::activation ? "the activation"
+                     : k.kind == schedule::TransferKind::gradient ? "the gradient"
+                     : k.kind == schedule::TransferKind::skip     ? "skip"
                                                        : "the gradient of skip";
-  const bool skip = k.kind == MessageKind::skip || k.kind == MessageKind::skip_grad;
+  const bool skip = k.kind == schedule::TransferKind::skip || k.kind == schedule::TransferKind::skip_grad;
   return std::string(what) + (skip ? " " + std::to_string(k.skip) : "") + " of micro-batch " +
          std::to_string(k.micro) + " for stage " + std::to_string(k.stage);
 }
@@ -31,22 +31,7 @@ inline std::vector<MessageKey> receives_of(const schedule::CommPlan& c, int w) {
   for (const auto& step : c.programs.at(static_cast<std::size_t>(w))) {
     const auto& t = step.transfer;
     if (step.send || c.worker_of(t.from) == w) continue;
-    MessageKind kind = MessageKind::activation;
-    switch (t.kind) {
-      case schedule::TransferKind::activation:
-        kind = MessageKind::activation;
-        break;
-      case schedule::TransferKind::gradient:
-        kind = MessageKind::gradient;
-        break;
-      case schedule::TransferKind::skip:
-        kind = MessageKind::skip;
-        break;
-      case schedule::TransferKind::skip_grad:
-        kind = MessageKind::skip_grad;
-        break;
-    }
-    keys.push_back(MessageKey{kind, t.to, t.micro, t.skip});
+    keys.push_back(MessageKey{t.kind, t.to, t.micro, t.skip});
   }
   return keys;
 }

@@ -49,7 +49,7 @@ namespace stagewise::runtime {
 ///   auto c = stagewise::runtime::connect(stagewise::runtime::rendezvous_env());
 ///   stagewise::runtime::C10dTransport t(c, [](int stage) { return stage % 2; }, {});
 ///   t.begin_step(2, 8, 0);
-///   t.send({MessageKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
+///   t.send({schedule::TransferKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
 class C10dTransport : private detail::C10dReceiver {
  public:
   /// `rank_of(stage)` places stages on ranks (the plan's `worker_of`); `routes[i]` is skip i's
@@ -112,7 +112,7 @@ class C10dTransport : private detail::C10dReceiver {
   /// takes it from there. The order must be the plan's: it is the order proved deadlock-free.
   /// On a CPU transport only (Gloo); elsewhere receives are posted when `recv` is called.
   ///   t.begin_step(2, 8, 0);
-  ///   t.expect({{MessageKind::activation, 1, 0}, {MessageKind::gradient, 0, 0}});
+  ///   t.expect({{schedule::TransferKind::activation, 1, 0}, {schedule::TransferKind::gradient, 0, 0}});
   void expect(const std::vector<MessageKey>& keys) {
     if (!options_.device_.is_cpu()) return;
     rethrow_failure();
@@ -246,16 +246,16 @@ class C10dTransport : private detail::C10dReceiver {
 
   int source_stage(const MessageKey& k) const {
     switch (k.kind) {
-      case MessageKind::activation:
+      case schedule::TransferKind::activation:
         return k.stage - 1;
-      case MessageKind::gradient:
+      case schedule::TransferKind::gradient:
         return k.stage + 1;
-      case MessageKind::skip:
-      case MessageKind::skip_grad:
+      case schedule::TransferKind::skip:
+      case schedule::TransferKind::skip_grad:
         TORCH_CHECK(k.skip >= 0 && static_cast<std::size_t>(k.skip) < routes_.size(),
                     "stagewise::C10dTransport: skip ", k.skip, " has no route; pass every skip's ",
                     "(stash stage, pop stage) to the transport, ", routes_.size(), " were given");
-        return k.kind == MessageKind::skip ? routes_[static_cast<std::size_t>(k.skip)].stash_stage
+        return k.kind == schedule::TransferKind::skip ? routes_[static_cast<std::size_t>(k.skip)].stash_stage
                                            : routes_[static_cast<std::size_t>(k.skip)].pop_stage;
     }
     return k.stage;
@@ -268,7 +268,7 @@ class C10dTransport : private detail::C10dReceiver {
                 "stagewise::C10dTransport: ", detail::describe(k),
                 " is beyond what message tags hold (256 stages, 4096 micro-batches, 31 skips); "
                 "use fewer chunks or stages");
-    return ((((static_cast<int>(step_.load() % 4) * 4 + static_cast<int>(k.kind)) * 256 + k.stage) *
+    return ((((static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind)) * 256 + k.stage) *
                  4096 +
              k.micro) *
             32) +

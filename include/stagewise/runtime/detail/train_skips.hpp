@@ -49,7 +49,7 @@ class TrainSkips {
                std::size_t i, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_into(j)) {
-      auto m = transport.recv(key(runtime::MessageKind::skip, j, i, *r.skip));
+      auto m = transport.recv(key(schedule::TransferKind::skip, j, i, *r.skip));
       if (!m) return false;
       torch::Tensor x = std::move(m->tensors.front());
       if (x.defined()) {
@@ -82,7 +82,7 @@ class TrainSkips {
     for (const auto& r : layout_->copies_from(j)) {
       auto it = cell.stashed.find(r.skip);
       torch::Tensor t = it == cell.stashed.end() ? torch::Tensor() : it->second;
-      transport.send(key(runtime::MessageKind::skip, r.pop_stage, i, *r.skip),
+      transport.send(key(schedule::TransferKind::skip, r.pop_stage, i, *r.skip),
                      runtime::Message{{t.defined() ? t.detach() : t}});
       if (it != cell.stashed.end() && !(t.defined() && t.requires_grad())) cell.stashed.erase(it);
     }
@@ -97,7 +97,7 @@ class TrainSkips {
                  std::vector<torch::Tensor>& grads, Transport& transport) {
     auto& cell = cell_at(j, i);
     for (const auto& r : layout_->copies_from(j)) {
-      auto m = transport.recv(key(runtime::MessageKind::skip_grad, j, i, *r.skip));
+      auto m = transport.recv(key(schedule::TransferKind::skip_grad, j, i, *r.skip));
       if (!m) return false;
       const torch::Tensor& g = m->tensors.front();
       auto it = cell.stashed.find(r.skip);
@@ -141,14 +141,14 @@ class TrainSkips {
       } else if (it != cell.leaves.end() && it->second.defined() && it->second.requires_grad()) {
         g = it->second.grad();
       }
-      transport.send(key(runtime::MessageKind::skip_grad, r.stash_stage, i, *r.skip),
+      transport.send(key(schedule::TransferKind::skip_grad, r.stash_stage, i, *r.skip),
                      runtime::Message{{std::move(g)}});
     }
     cell = CellState{};
   }
 
  private:
-  runtime::MessageKey key(runtime::MessageKind kind, std::size_t stage, std::size_t i,
+  runtime::MessageKey key(schedule::TransferKind kind, std::size_t stage, std::size_t i,
                           const SkipInfo& skip) const {
     return {kind, static_cast<int>(stage), static_cast<int>(i),
             static_cast<int>(layout_->index_of(skip))};
