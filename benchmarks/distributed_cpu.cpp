@@ -70,14 +70,14 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
     sw::distributed::Pipe pipe(model(), sw::balance{4, 4},
                                sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::never));
     auto [x, t] = batch();
-    auto params = pipe.parameters();
+    auto params = pipe->parameters();
     for (char c; ::read(commands, &c, 1) == 1 && c != 'q';) {
       auto step = [&] {
         for (auto& p : params) p.mutable_grad() = torch::Tensor();
         if (c == 'g') {
-          pipe.train_step(x, t, mse, sw::schedule::gpipe{});
+          pipe->train_step(x, t, mse, sw::schedule::gpipe{});
         } else {
-          pipe.train_step(x, t, mse, sw::schedule::one_f_one_b{});
+          pipe->train_step(x, t, mse, sw::schedule::one_f_one_b{});
         }
       };
       const double us = median_us(step, kSteps, 2);

@@ -188,16 +188,16 @@ struct RankResult {
           sw::distributed::Options().transport(
               sw::runtime::C10dOptions().prefix(path == 0 ? "portals" : "tuples").timeout(120s)));
       auto step = [&] {
-        return pipe.train_step(
+        return pipe->train_step(
             rank == 0 ? x : Tensor(), rank == kRanks - 1 ? target : Tensor(),
             [](const Tensor& o, const Tensor& t) { return torch::mse_loss(o, t); });
       };
       step();  // warm-up: gradients exist from here on
       memory.reset_peak();
       const long long base = memory.current();
-      const auto before = pipe.traffic();
+      const auto before = pipe->traffic();
       const auto loss = step();
-      const auto after = pipe.traffic();
+      const auto after = pipe->traffic();
       RankResult r;
       r.rank = rank;
       r.path = path;

@@ -24,7 +24,7 @@ int main() {
   sw::distributed::Pipe pipe(model, sw::balance{4, 4},
                              sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::except_last));
   // Each rank's optimizer updates its own stage's parameters.
-  torch::optim::Adam optimizer(pipe.parameters(), torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam optimizer(pipe->parameters(), torch::optim::AdamOptions(1e-3));
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nll_loss(out, target);
   };
@@ -38,16 +38,16 @@ int main() {
   for (int step = 0; step < 30; ++step) {
     optimizer.zero_grad();
     // 1F1B: each rank alternates forwards and backwards; every rank gets the loss back.
-    auto loss = pipe.train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});
+    auto loss = pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});
     optimizer.step();
     if (step == 0) first = loss.item<double>();
     last = loss.item<double>();
-    if (pipe.rank() == 0 && (step % 5 == 0 || step == 29)) {
+    if (pipe->rank() == 0 && (step % 5 == 0 || step == 29)) {
       std::cout << "step " << step << "  loss " << last << "\n";
     }
   }
   const bool learned = last < 0.5 * first;
-  std::cout << "rank " << pipe.rank() << " of " << pipe.world_size() << ": loss went from " << first
+  std::cout << "rank " << pipe->rank() << " of " << pipe->world_size() << ": loss went from " << first
             << " to " << last << (learned ? " (learning)" : " (NOT learning)") << "\n";
   return learned ? 0 : 1;
 }

@@ -120,19 +120,19 @@ void compare(const sw::runtime::Connection& c, const std::string& name, const Sc
   sw::distributed::Pipe pipe(c, seq, b, options, dist);
   auto ref = sw::Pipe(ref_seq, b, options);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
-  torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(0.1));
   std::optional<sw::optim::FusedStep> fused_step;
-  if (fused) fused_step.emplace(pipe.parameters(), torch::optim::SGDOptions(0.1));
+  if (fused) fused_step.emplace(pipe->parameters(), torch::optim::SGDOptions(0.1));
   for (int step = 0; step < 3; ++step) {
     auto [x, y] = batch(step);
-    const bool first = pipe.has_stage(0), last = pipe.has_stage(pipe.num_stages() - 1);
+    const bool first = pipe->has_stage(0), last = pipe->has_stage(pipe->num_stages() - 1);
     const auto in = first ? x : torch::Tensor();
     const auto target = last ? y : torch::Tensor();
     torch::Tensor loss;
     if (fused) {
-      loss = pipe.train_step(in, target, mse, *fused_step, s);
+      loss = pipe->train_step(in, target, mse, *fused_step, s);
     } else {
-      loss = pipe.train_step(in, target, mse, s);
+      loss = pipe->train_step(in, target, mse, s);
       opt.step();
       opt.zero_grad();
     }
@@ -145,7 +145,7 @@ void compare(const sw::runtime::Connection& c, const std::string& name, const Sc
   int layer = 0;
   for (std::size_t j = 0; j < b.size(); ++j) {
     for (int k = 0; k < b[j]; ++k, ++layer) {
-      if (!pipe.has_stage(static_cast<int>(j))) continue;
+      if (!pipe->has_stage(static_cast<int>(j))) continue;
       auto mine = seq[static_cast<std::size_t>(layer)]->parameters();
       auto theirs = ref_seq[static_cast<std::size_t>(layer)]->parameters();
       for (std::size_t p = 0; p < mine.size(); ++p) {
@@ -229,15 +229,15 @@ TEST_SUITE("distributed pipe") {
           sw::distributed::Pipe pipe(
               c, dp::model(true), sw::balance{4, 4}, sw::PipeOptions().chunks(4),
               sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("traffic")));
-          const auto none = pipe.traffic();
+          const auto none = pipe->traffic();
           dp::expect(none.messages_sent == 0 && none.bytes_sent == 0 &&
                          none.messages_received == 0 && none.bytes_received == 0,
                      "traffic before any step is not zero");
           auto [x, y] = dp::batch(0);
           for (int step = 1; step <= 2; ++step) {
-            pipe.train_step(rank == 0 ? x : torch::Tensor(), rank == 1 ? y : torch::Tensor(),
+            pipe->train_step(rank == 0 ? x : torch::Tensor(), rank == 1 ? y : torch::Tensor(),
                             dp::mse, sched::one_f_one_b{});
-            const auto t = pipe.traffic();
+            const auto t = pipe->traffic();
             for (auto [what, got, want] :
                  {std::tuple{"messages sent", t.messages_sent, 8 * step},
                   std::tuple{"bytes sent", t.bytes_sent, 640 * step},
@@ -268,7 +268,7 @@ TEST_SUITE("distributed pipe") {
           sw::distributed::Pipe pipe(seq, sw::balance{4, 5}, sw::PipeOptions().chunks(4),
                                      sw::distributed::Options().timeout(20s));
           auto [x, y] = dp::batch(0);
-          report(error_of([&] { pipe.train_step(x, y, dp::mse, sched::one_f_one_b{}); }));
+          report(error_of([&] { pipe->train_step(x, y, dp::mse, sched::one_f_one_b{}); }));
         },
         60s);
     // The error names the cell that raised it, on its own rank and on the others.
@@ -279,6 +279,40 @@ TEST_SUITE("distributed pipe") {
     CHECK(r[0].text.starts_with(
         "stagewise: rank 1 failed: trap sprung in forward (stagewise: stage 1, micro-batch 1, "
         "forward). Rank 0 stops too."));
+  }
+
+  TEST_CASE("the pipe is a module holder: this rank's stages are its children, moves refused") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto seq = dp::model(false);
+          sw::distributed::Pipe pipe(seq, sw::balance{2, 2, 2, 2}, sw::PipeOptions().chunks(2),
+                                     sw::distributed::Options().virtual_stages(2).timeout(20s));
+          // Stages 0 and 2 on rank 0, 1 and 3 on rank 1; only this rank's are registered.
+          std::string out;
+          for (const auto& item : pipe->named_children()) out += item.key() + " ";
+          std::size_t expected = 0;
+          for (int j = 0; j < pipe->num_stages(); ++j) {
+            if (!pipe->has_stage(j)) continue;
+            for (std::size_t k = 2 * static_cast<std::size_t>(j); k < 2 * j + 2u; ++k) {
+              expected += seq[k]->parameters().size();
+            }
+          }
+          out += "| " + std::to_string(pipe->parameters().size() == expected) + " ";
+          pipe->eval();
+          bool all_eval = !pipe->is_training();
+          for (const auto& child : pipe->children()) all_eval = all_eval && !child->is_training();
+          out += std::to_string(all_eval) + " | ";
+          out += error_of([&] { pipe->to(torch::Device(torch::kCPU)); });
+          report(out);
+        },
+        60s);
+    const std::string refused =
+        "stagewise::distributed::Pipe: cannot move the pipe to cpu: each stage lives on the "
+        "device it was given. Build the pipe with PipeOptions().devices(...) to place stages "
+        "elsewhere (changing the dtype is allowed).";
+    CHECK(r[0].text == "stage0 stage2 | 1 1 | " + refused);
+    CHECK(r[1].text == "stage1 stage3 | 1 1 | " + refused);
   }
 
   TEST_CASE("a rank killed in the middle of a step fails the others, naming it, no hang") {
@@ -293,7 +327,7 @@ TEST_SUITE("distributed pipe") {
           sw::distributed::Pipe pipe(seq, sw::balance{4, 5}, sw::PipeOptions().chunks(4),
                                      sw::distributed::Options().timeout(20s));
           auto [x, y] = dp::batch(0);
-          report(error_of([&] { pipe.train_step(x, y, dp::mse, sched::gpipe{}); }));
+          report(error_of([&] { pipe->train_step(x, y, dp::mse, sched::gpipe{}); }));
         },
         60s);
     CHECK(r[1].status == -SIGKILL);
@@ -338,12 +372,12 @@ TEST_SUITE("distributed pipe") {
               sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("il")));
           auto [x, y] = dp::batch(0);
           out +=
-              error_of([&] { pipe.train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); }) +
+              error_of([&] { pipe->train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); }) +
               "\n";
           sw::distributed::Pipe round_robin(c, dp::model(false), sw::balance{2, 2, 2, 2}, {},
                                             sw::distributed::Options().virtual_stages(2).transport(
                                                 sw::runtime::C10dOptions().prefix("v")));
-          out += error_of([&] { round_robin.train_step(x, y, dp::mse, sched::zero_bubble_v{}); });
+          out += error_of([&] { round_robin->train_step(x, y, dp::mse, sched::zero_bubble_v{}); });
           report(out);
         },
         60s);

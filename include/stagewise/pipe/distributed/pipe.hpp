@@ -23,7 +23,9 @@
 #include "stagewise/stage/partition.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include <algorithm>
@@ -75,49 +77,58 @@ struct Options {
     return *this;
   }
 
-  /// The values the setters above set (read by `Pipe`).
-  int virtual_stages_ = 1;
-  /// Every stage's rank for a number of stages; null: stage j on rank j % (stages / v).
-  std::function<std::vector<int>(int)> placement_;
-  /// The transport's options (`transport`, `timeout`).
-  runtime::C10dOptions transport_;
+  /// What the setters above set, read back (as `PipeOptions`' getters are).
+  int virtual_stages() const { return virtual_stages_; }
+  /// Every stage's rank for a number of stages (`placed_like`); null: stage j on rank
+  /// j % (stages / v).
+  const std::function<std::vector<int>(int)>& placement() const { return placement_; }
+  const runtime::C10dOptions& transport() const { return transport_; }
   /// The rendezvous options (`backend`, `timeout`).
+  const runtime::ConnectOptions& connect() const { return connect_; }
+
+ private:
+  int virtual_stages_ = 1;
+  std::function<std::vector<int>(int)> placement_;
+  runtime::C10dOptions transport_;
   runtime::ConnectOptions connect_;
 };
 
-/// A pipeline whose stages live in separate processes (ranks), on one machine or several: every
-/// rank builds the same torch::nn::Sequential and balance and calls the same `train_step`; each
-/// keeps only its own stages (stage j on rank j % K for K ranks, or as `Options::placed_like`
-/// says) and runs them with the same
-/// execution core as the one-process `Pipe`, exchanging activations, gradients and skip tensors
-/// over c10d. Rank placement, world size and the model's shapes are checked before any step, and
-/// each step's communication is verified deadlock-free (`schedule::verify_comms`).
+/// The distributed pipeline, behind the `Pipe` holder (used as `pipe->`, like the one-process
+/// `stagewise::Pipe`): its stages live in separate processes (ranks), on one machine or several.
+/// Every rank builds the same torch::nn::Sequential and balance and calls the same `train_step`;
+/// each keeps only its own stages (stage j on rank j % K for K ranks, or as
+/// `Options::placed_like` says) and runs them with the same execution core as the one-process
+/// `Pipe`, exchanging activations, gradients and skip tensors over c10d. Rank placement, world
+/// size and the model's shapes are checked before any step, and each step's communication is
+/// verified deadlock-free (`schedule::verify_comms`).
 ///   // every rank, started by tools/launch -n 2 (or torchrun):
 ///   auto pipe = stagewise::distributed::Pipe(seq, sw::balance{2, 2}, sw::PipeOptions().chunks(8));
-///   auto loss = pipe.train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // on every rank
-class Pipe {
+///   auto loss = pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // every rank
+/// This rank's stages are its registered submodules ("stage<j>"): `pipe->parameters()` gives
+/// them to this rank's optimizer, `pipe->train(false)` / `pipe->eval()` switch their mode.
+class PipeImpl : public torch::nn::Module {
  public:
   /// Rendezvouses from the environment (`torchrun`'s MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
   /// LOCAL_RANK) and builds this rank's stages of `seq` split by `b`.
-  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {},
-       Options dist = {})
-      : Pipe(runtime::connect(runtime::rendezvous_env(), dist.connect_), seq, b, std::move(options),
-             std::move(dist)) {}
+  PipeImpl(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {},
+           Options dist = {})
+      : PipeImpl(runtime::connect(runtime::rendezvous_env(), dist.connect()), seq, b,
+                 std::move(options), std::move(dist)) {}
 
   /// Builds this rank's stages over a job the caller already joined (`runtime::connect`, or a
   /// Connection over the caller's own process group and store).
-  Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
-       PipeOptions options = {}, Options dist = {})
+  PipeImpl(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
+           PipeOptions options = {}, Options dist = {})
       : connection_(std::move(connection)),
         options_(std::move(options)),
         dist_(std::move(dist)),
-        prefix_(dist_.transport_.prefix_) {
+        prefix_(dist_.transport().prefix_) {
     auto specs = ::stagewise::detail::partition(seq, b);
     const int n = static_cast<int>(specs.size());
-    if (dist_.placement_) {
-      placement_ = dist_.placement_(n);
+    if (dist_.placement()) {
+      placement_ = dist_.placement()(n);
     } else {
-      const int v = dist_.virtual_stages_;
+      const int v = dist_.virtual_stages();
       TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
                   " stages do not split into ", v, " virtual stages per rank; give a balance ",
                   "with a multiple of ", v, " entries or change Options::virtual_stages");
@@ -135,7 +146,7 @@ class Pipe {
     for (const auto& spec : specs) {
       signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
-    runtime::check_same_model(connection_, signatures, prefix_ + "/model", dist_.connect_.timeout);
+    runtime::check_same_model(connection_, signatures, prefix_ + "/model", dist_.connect().timeout);
     const auto devices = ::stagewise::detail::place_stage_modules(
         specs, options_.devices(), "stagewise::distributed::Pipe",
         [&](std::size_t k) { return rank_of(static_cast<int>(k)) == rank(); });
@@ -145,7 +156,7 @@ class Pipe {
         continue;
       }
       const auto k = static_cast<std::size_t>(j);
-      if (specs[k].module) modules_.push_back(specs[k].module);
+      if (specs[k].module) register_module("stage" + std::to_string(j), specs[k].module);
       stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[k]), devices[k]));
     }
     std::vector<schedule::SkipRoute> routes;
@@ -156,14 +167,14 @@ class Pipe {
     transport_ = std::make_unique<runtime::C10dTransport>(
         connection_,
         [placement = placement_](int stage) { return placement[static_cast<std::size_t>(stage)]; },
-        std::move(routes), dist_.transport_);
+        std::move(routes), dist_.transport());
   }
 
   /// One training step on every rank, as `Pipe::train_step` does in one process: the rank of
   /// the first stage gives `input`, the rank of the last stage gives `target` (the others may
   /// pass undefined tensors); every rank returns the mini-batch's loss. Gradients accumulate in
   /// this rank's stages' parameters. Every rank must pass the same schedule.
-  ///   auto loss = pipe.train_step(x, y, loss_fn, stagewise::schedule::gpipe{});
+  ///   auto loss = pipe->train_step(x, y, loss_fn, stagewise::schedule::gpipe{});
   template <schedule::pipeline_schedule Schedule = schedule::gpipe>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            const Schedule& sched = {}) {
@@ -206,30 +217,39 @@ class Pipe {
   bool has_stage(int j) const {
     return j >= 0 && j < num_stages() && stages_[static_cast<std::size_t>(j)] != nullptr;
   }
-  /// The parameters of this rank's stages (give them to this rank's optimizer).
-  std::vector<torch::Tensor> parameters() const {
-    std::vector<torch::Tensor> out;
-    for (const auto& m : modules_) {
-      for (auto& p : m->parameters()) out.push_back(p);
-    }
-    return out;
-  }
   /// The messages and tensor bytes this rank exchanged with the other ranks since the pipe was
   /// built (activations, gradients and skips; messages between this rank's own stages move
   /// nothing and are not counted).
-  ///   const auto before = pipe.traffic();
-  ///   pipe.train_step(x, y, loss_fn);
-  ///   const auto sent = pipe.traffic().bytes_sent - before.bytes_sent;
+  ///   const auto before = pipe->traffic();
+  ///   pipe->train_step(x, y, loss_fn);
+  ///   const auto sent = pipe->traffic().bytes_sent - before.bytes_sent;
   runtime::C10dTraffic traffic() const { return transport_->traffic(); }
-  /// This rank's stage modules, in stage order.
-  const std::vector<std::shared_ptr<torch::nn::Module>>& modules() const { return modules_; }
   /// Train or eval mode for this rank's stages (checkpointing runs only in training).
-  void train(bool on = true) {
-    training_ = on;
-    for (auto& m : modules_) m->train(on);
+  void train(bool on = true) override { torch::nn::Module::train(on); }
+
+  // The pipe places each stage on its device; moving the whole pipe would break that.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    refuse_move(device);
+    (void)dtype;
+    (void)non_blocking;
+  }
+  void to(torch::Device device, bool non_blocking = false) override {
+    refuse_move(device);
+    (void)non_blocking;
+  }
+  /// Changing the dtype of every parameter is allowed.
+  void to(torch::Dtype dtype, bool non_blocking = false) override {
+    torch::nn::Module::to(dtype, non_blocking);
   }
 
  private:
+  [[noreturn]] static void refuse_move(torch::Device device) {
+    TORCH_CHECK(false, "stagewise::distributed::Pipe: cannot move the pipe to ", device.str(),
+                ": each stage lives on the device it was given. Build the pipe with "
+                "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
+                "allowed).");
+  }
+
   template <class Schedule>
   torch::Tensor run(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                     const Schedule& sched, const std::function<void(int)>& before) {
@@ -241,7 +261,7 @@ class Pipe {
                 "stagewise::distributed::Pipe::train_step: the schedule runs the ", n,
                 " stages on ", schedule::workers_of(sched, n),
                 " workers but the pipe was built for ", workers_,
-                " ranks (Options::virtual_stages ", dist_.virtual_stages_,
+                " ranks (Options::virtual_stages ", dist_.virtual_stages(),
                 "); build the pipe with the schedule's stages per rank");
     const auto placement = schedule::placement_of(sched, n);
     for (int j = 0; j < n; ++j) {
@@ -266,7 +286,7 @@ class Pipe {
       m = static_cast<int>(step.inputs.size());
       detail::publish_int(connection_, key + "/m", m);
     } else {
-      m = detail::wait_int(connection_, key + "/m", dist_.transport_, rank(), rank_of(0));
+      m = detail::wait_int(connection_, key + "/m", dist_.transport(), rank(), rank_of(0));
     }
     TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m,
                 "stagewise::distributed::Pipe::train_step: the input on rank ", rank_of(0),
@@ -280,7 +300,7 @@ class Pipe {
       step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
     }
     step.loss_fn = std::move(loss_fn);
-    step.training = training_;
+    step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
     schedule::verify_comms(plan, routes_);
@@ -312,7 +332,7 @@ class Pipe {
     if (last) {
       detail::publish_tensor(connection_, key + "/loss", loss);
     } else {
-      loss = detail::wait_tensor(connection_, key + "/loss", dist_.transport_, rank(), last_rank);
+      loss = detail::wait_tensor(connection_, key + "/loss", dist_.transport(), rank(), last_rank);
     }
     detail::forget_step(connection_, prefix_ + "/step/" + std::to_string(steps_ - 2), first, last);
     ++steps_;
@@ -325,13 +345,29 @@ class Pipe {
   std::string prefix_;
   int workers_ = 1;
   std::vector<int> placement_;  // the rank of every stage
-  bool training_ = true;
   std::int64_t steps_ = 0;
   std::shared_ptr<const ::stagewise::detail::SkipLayout> skips_;
   std::vector<schedule::SkipRoute> routes_;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;
   std::unique_ptr<runtime::C10dTransport> transport_;  // last: stops before the stages go
+};
+
+/// The distributed pipe's holder: `stagewise::distributed::Pipe pipe(seq, balance, options)`,
+/// then `pipe->train_step(...)`, as with the one-process `stagewise::Pipe`.
+class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
+ public:
+  /// An empty holder, to assign later.
+  Pipe(std::nullptr_t) : torch::nn::ModuleHolder<PipeImpl>(nullptr) {}  // NOLINT(implicit)
+  /// Rendezvouses from the environment and builds this rank's stages (see PipeImpl).
+  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {},
+       Options dist = {})
+      : torch::nn::ModuleHolder<PipeImpl>(
+            std::make_shared<PipeImpl>(seq, b, std::move(options), std::move(dist))) {}
+  /// Builds this rank's stages over a job the caller already joined (see PipeImpl).
+  Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
+       PipeOptions options = {}, Options dist = {})
+      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
+            std::move(connection), seq, b, std::move(options), std::move(dist))) {}
 };
 
 }  // namespace stagewise::distributed

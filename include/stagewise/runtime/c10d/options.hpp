@@ -43,7 +43,7 @@ struct C10dOptions {
 /// What one rank exchanged with the other ranks: messages and the bytes of their tensors' data.
 /// Message headers (a few dozen bytes each) are not counted, nor are messages between stages
 /// of the same rank, which move no bytes.
-///   auto t = pipe.traffic();  // distributed::Pipe, cumulative since it was built
+///   auto t = pipe->traffic();  // distributed::Pipe, cumulative since it was built
 ///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
 ///               (long long)t.messages_sent);
 struct C10dTraffic {
