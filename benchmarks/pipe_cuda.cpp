@@ -70,7 +70,9 @@ torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
   return torch::mse_loss(o, t);
 }
 
-std::string fmt(double v) { return stagewise::bench::fixed3(v); }
+std::string fmt(double v) {
+  return stagewise::bench::fixed3(v);
+}
 
 void row(const std::string& what, double value, const std::string& unit) {
   std::printf("  %-52s %10.3f %s\n", what.c_str(), value, unit.c_str());
@@ -515,8 +517,8 @@ struct ExpertSpec {
 struct Experts {
   std::vector<torch::nn::Sequential> list;
   sw::ParallelBranches branches;
-  sw::ParallelBranches one_thread{sw::ParallelBranchesOptions().pool(
-      std::make_shared<sw::ThreadPool>(1))};
+  sw::ParallelBranches one_thread{
+      sw::ParallelBranchesOptions().pool(std::make_shared<sw::ThreadPool>(1))};
   std::vector<torch::Tensor> inputs;
   std::vector<torch::Tensor> grads_to_reset;
 
@@ -577,7 +579,8 @@ bench::Summary branches_table(const std::string& label, const ExpertSpec& spec, 
   r.add(kParallel, gpu.synced([&] { experts.parallel_step(experts.branches); }));
   r.add(kStreamsOnly, gpu.synced([&] { experts.parallel_step(experts.one_thread); }));
   r.add(kForwardSequential, gpu.synced([&] { (void)experts.sequential_forward(); }));
-  r.add(kForwardParallel, gpu.synced([&] { (void)experts.branches->forward_each(experts.inputs); }));
+  r.add(kForwardParallel,
+        gpu.synced([&] { (void)experts.branches->forward_each(experts.inputs); }));
   r.run();
   r.print();
   const auto speedup = r.wall_ratio(kSequential, kParallel);
@@ -630,8 +633,7 @@ Options parse(int argc, char** argv) {
       opt.device = value("--device");
     } else if (arg == "--sections" || arg.rfind("--sections=", 0) == 0) {
       opt.sections = value("--sections");
-      if (opt.sections.empty() ||
-          opt.sections.find_first_not_of("abcd") != std::string::npos) {
+      if (opt.sections.empty() || opt.sections.find_first_not_of("abcd") != std::string::npos) {
         usage_error("--sections takes letters of abcd, e.g. --sections d (got '" + opt.sections +
                     "')");
       }
@@ -759,8 +761,7 @@ int main(int argc, char** argv) {
   watchdog.phase("the summary", std::chrono::seconds(60));
   if (runs('a')) {
     std::printf("summary, medians of the per-round ratios [min, max]\n");
-    bench::print_figure("overhead_vs_loop: train_step 1F1B, never / loop", a.overhead_vs_loop,
-                        "x");
+    bench::print_figure("overhead_vs_loop: train_step 1F1B, never / loop", a.overhead_vs_loop, "x");
   }
   last_line();
   return 0;

@@ -325,6 +325,54 @@ TEST_SUITE("c10d transport") {
     }
   }
 
+  TEST_CASE("share gives every rank the step's values from the rank that has them, uncounted") {
+    auto r = run_ranks(
+        3,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport t(
+              c, [](int s) { return s; }, {}, rt::C10dOptions().timeout(20s));
+          std::string out;
+          for (int step = 0; step < 3; ++step) {
+            // The count from rank 0, then a double loss from rank 2, as distributed::Pipe does.
+            const auto count = rank == 0 ? torch::tensor(std::int64_t{8 + step}) : torch::Tensor();
+            const auto m = t.share(count, 0, 0);
+            const auto loss = t.share(
+                rank == 2 ? torch::tensor(0.25 + step, torch::kDouble) : torch::Tensor(), 2, 1);
+            out += std::to_string(m.item<std::int64_t>()) + " " +
+                   std::string(c10::toString(loss.scalar_type())) + " " +
+                   std::to_string(loss.item<double>()) + " " + loss.device().str() + "; ";
+          }
+          const auto traffic = t.traffic();
+          out += std::to_string(traffic.messages_sent + traffic.messages_received);
+          stagewise::testing::report(out);
+        },
+        60s);
+    for (int k = 0; k < 3; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).status == 0);
+      CHECK(of(r, k).text ==
+            "8 Double 0.250000 cpu; 9 Double 1.250000 cpu; 10 Double 2.250000 cpu; 0");
+    }
+  }
+
+  TEST_CASE("a rank waiting for a shared value fails, naming the value, when nobody sends it") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          rt::C10dTransport t(c, rank_of_two, {}, rt::C10dOptions().timeout(1s));
+          // Each waits for the loss from the other: a program that differs between ranks.
+          stagewise::testing::report(error_of([&] { t.share(torch::Tensor(), 1 - rank, 1); }));
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).status == 0);
+      CHECK(contains(of(r, k).text, "waited more than 1000 ms for the step's loss from rank "));
+    }
+  }
+
   TEST_CASE("tags hold 256 stages, 4096 micro-batches and 31 skips; beyond is a clear error") {
     auto r = run_ranks(
         2,

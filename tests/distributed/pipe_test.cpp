@@ -371,9 +371,10 @@ TEST_SUITE("distributed pipe") {
               c, dp::model(false), sw::balance{4, 4}, {},
               sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("il")));
           auto [x, y] = dp::batch(0);
-          out +=
-              error_of([&] { pipe->train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); }) +
-              "\n";
+          out += error_of([&] {
+                   pipe->train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2});
+                 }) +
+                 "\n";
           sw::distributed::Pipe round_robin(c, dp::model(false), sw::balance{2, 2, 2, 2}, {},
                                             sw::distributed::Options().virtual_stages(2).transport(
                                                 sw::runtime::C10dOptions().prefix("v")));

@@ -70,7 +70,8 @@ class MailboxTransport {
 
  private:
   std::size_t index(const MessageKey& k) const {
-    const bool skip = k.kind == schedule::TransferKind::skip || k.kind == schedule::TransferKind::skip_grad;
+    const bool skip =
+        k.kind == schedule::TransferKind::skip || k.kind == schedule::TransferKind::skip_grad;
     TORCH_CHECK(k.stage >= 0 && k.stage < stages_ && k.micro >= 0 && k.micro < m_ &&
                     (!skip || (k.skip >= 0 && k.skip < skips_)),
                 "stagewise: a message for stage ", k.stage, ", micro-batch ", k.micro, ", skip ",

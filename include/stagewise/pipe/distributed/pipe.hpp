@@ -5,7 +5,6 @@
 #include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
-#include "stagewise/pipe/distributed/detail/step_values.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
@@ -279,15 +278,14 @@ class PipeImpl : public torch::nn::Module {
     runtime::TrainStep step;
     if (first) step.inputs = scatter(input, options_.chunks());
     if (last) step.targets = scatter(target, options_.chunks());
-    // The first stage's rank decides the number of micro-batches; the others learn it.
-    const std::string key = prefix_ + "/step/" + std::to_string(steps_);
-    int m = 0;
-    if (first) {
-      m = static_cast<int>(step.inputs.size());
-      detail::publish_int(connection_, key + "/m", m);
-    } else {
-      m = detail::wait_int(connection_, key + "/m", dist_.transport(), rank(), rank_of(0));
-    }
+    // The first stage's rank decides the number of micro-batches; the others learn it through
+    // the transport.
+    const auto count = transport_->share(
+        first ? torch::tensor(static_cast<std::int64_t>(step.inputs.size())) : torch::Tensor(),
+        rank_of(0), /*index=*/0);
+    TORCH_CHECK(count.defined(), "stagewise::distributed::Pipe::train_step: rank ", rank(),
+                " stopped before the step began (it aborted earlier)");
+    const int m = static_cast<int>(count.item<std::int64_t>());
     TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m,
                 "stagewise::distributed::Pipe::train_step: the input on rank ", rank_of(0),
                 " splits into ", m, " micro-batches but the target on rank ", rank(), " into ",
@@ -328,14 +326,7 @@ class PipeImpl : public torch::nn::Module {
     torch::Tensor loss = runtime::run_programs(stages_, plan, step, *transport_, workers);
     fence.leave();  // the loss is read on this thread next
     // The last stage's rank has the loss; every rank returns it.
-    const int last_rank = rank_of(n - 1);
-    if (last) {
-      detail::publish_tensor(connection_, key + "/loss", loss);
-    } else {
-      loss = detail::wait_tensor(connection_, key + "/loss", dist_.transport(), rank(), last_rank);
-    }
-    detail::forget_step(connection_, prefix_ + "/step/" + std::to_string(steps_ - 2), first, last);
-    ++steps_;
+    loss = transport_->share(loss, rank_of(n - 1), /*index=*/1);
     return loss;
   }
 
@@ -345,7 +336,6 @@ class PipeImpl : public torch::nn::Module {
   std::string prefix_;
   int workers_ = 1;
   std::vector<int> placement_;  // the rank of every stage
-  std::int64_t steps_ = 0;
   std::shared_ptr<const ::stagewise::detail::SkipLayout> skips_;
   std::vector<schedule::SkipRoute> routes_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;

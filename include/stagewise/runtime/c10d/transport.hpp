@@ -112,7 +112,8 @@ class C10dTransport : private detail::C10dReceiver {
   /// takes it from there. The order must be the plan's: it is the order proved deadlock-free.
   /// On a CPU transport only (Gloo); elsewhere receives are posted when `recv` is called.
   ///   t.begin_step(2, 8, 0);
-  ///   t.expect({{schedule::TransferKind::activation, 1, 0}, {schedule::TransferKind::gradient, 0, 0}});
+  ///   using stagewise::schedule::TransferKind;
+  ///   t.expect({{TransferKind::activation, 1, 0}, {TransferKind::gradient, 0, 0}});
   void expect(const std::vector<MessageKey>& keys) {
     if (!options_.device_.is_cpu()) return;
     rethrow_failure();
@@ -150,12 +151,82 @@ class C10dTransport : private detail::C10dReceiver {
       local().send(k, std::move(m));
       return;
     }
+    send_to(dst, tag_of(k), k, std::move(m));
+  }
+
+  /// Waits for the message `k`; nothing once this process aborted; throws c10::Error naming the
+  /// failed rank when another rank failed, died or stalled past the timeout.
+  std::optional<Message> recv(const MessageKey& k) {
+    const int src = rank_of_(source_stage(k));
+    if (src == rank()) return local().recv(k);
+    bool expected = false;
+    auto ahead = take_ahead(k, src, expected);
+    if (expected) return ahead;
+    return receive_from(src, tag_of(k), k);
+  }
+
+  /// Gives every rank a small value of the step that one rank holds: `index` 0 is the number of
+  /// micro-batches (from the first stage's rank), 1 the loss (from the last stage's). Rank `from`
+  /// passes `value` and gets it back; every other rank gets `from`'s, on the CPU, sent over the
+  /// process group like the step's messages (not through the store). Every rank makes the same
+  /// calls in the same order. Failures as for recv; nothing (an undefined tensor) once this
+  /// process aborted.
+  ///   const int m = t.share(torch::tensor(8), /*from=*/0, 0).item<int>();
+  torch::Tensor share(const torch::Tensor& value, int from, int index) {
+    const MessageKey k = detail::step_value_key(index);
+    const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
+    if (from == rank()) {
+      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", rank(),
+                  " holds ", detail::describe(k), " but passed an undefined tensor");
+      for (int r = 0; r < group_.size(); ++r) {
+        if (r != rank()) send_to(r, tag, k, Message{{value.detach()}, true}, /*counted=*/false);
+      }
+      return value;
+    }
+    auto m = receive_from(from, tag, k, /*counted=*/false);
+    if (!m) return {};
+    TORCH_CHECK(m->tensors.size() == 1 && m->tensors[0].defined(), "stagewise: ",
+                detail::describe(k), " from rank ", from,
+                " is garbled; every rank must run the same program");
+    return copy_to(m->tensors[0], torch::kCPU);
+  }
+
+  /// Stops this rank's communication after a failure here: tells every other rank through the
+  /// store (they fail with `e`'s message, naming this rank), wakes this process's receivers
+  /// (they return nothing) and cancels pending transfers.
+  void abort(std::exception_ptr e) {
+    std::string what = "unknown error";
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = detail::what_of(x);
+    } catch (...) {
+    }
+    publish("rank " + std::to_string(rank()) + " failed: " + what);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      aborted_here_ = true;
+      stopped_ = true;
+      abort_works_locked();
+    }
+    wake_.notify_all();
+    abort_local(e);
+  }
+
+ private:
+  // Tags at and above 2^29 are the shared values' (message tags stay below, see tag_of); they
+  // cycle through kValueTagCount, which every rank steps through in the same order.
+  static constexpr int kValueTags = 1 << 29;
+  static constexpr std::int64_t kValueTagCount = 1024;
+
+  // Sends `m` to rank `dst` under `tag`: a header, then one send per non-empty tensor. `counted`:
+  // in traffic() (the step's messages are; the shared values are not).
+  void send_to(int dst, int tag, const MessageKey& k, Message m, bool counted = true) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure_) throw_copy(failure_);
       if (stopped_) return;  // this rank aborted: nobody waits for it any more
     }
-    const int tag = tag_of(k);
     std::vector<at::Tensor> out;
     const auto words = detail::encode_header(m);
     auto header = torch::zeros(
@@ -194,49 +265,21 @@ class C10dTransport : private detail::C10dReceiver {
       if (stopped_) work->abort();
       sends_.push_back({std::move(work), dst, k});
     }
-    ++messages_sent_;
-    bytes_sent_ += bytes;
+    if (counted) {
+      ++messages_sent_;
+      bytes_sent_ += bytes;
+    }
     wake_.notify_all();
   }
 
-  /// Waits for the message `k`; nothing once this process aborted; throws c10::Error naming the
-  /// failed rank when another rank failed, died or stalled past the timeout.
-  std::optional<Message> recv(const MessageKey& k) {
-    const int src = rank_of_(source_stage(k));
-    if (src == rank()) return local().recv(k);
-    bool expected = false;
-    auto ahead = take_ahead(k, src, expected);
-    if (expected) return ahead;
-    const int tag = tag_of(k);
+  // Receives the message `k` from rank `src` under `tag`: its header, then the rest.
+  std::optional<Message> receive_from(int src, int tag, const MessageKey& k, bool counted = true) {
     auto fixed = torch::empty({detail::kHeaderWords},
                               torch::TensorOptions().dtype(torch::kInt64).device(options_.device_));
     if (!receive(fixed, src, tag, k)) return std::nullopt;
-    return receive_rest(fixed, src, tag, k);
+    return receive_rest(fixed, src, tag, k, counted);
   }
 
-  /// Stops this rank's communication after a failure here: tells every other rank through the
-  /// store (they fail with `e`'s message, naming this rank), wakes this process's receivers
-  /// (they return nothing) and cancels pending transfers.
-  void abort(std::exception_ptr e) {
-    std::string what = "unknown error";
-    try {
-      if (e) std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      what = detail::what_of(x);
-    } catch (...) {
-    }
-    publish("rank " + std::to_string(rank()) + " failed: " + what);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      aborted_here_ = true;
-      stopped_ = true;
-      abort_works_locked();
-    }
-    wake_.notify_all();
-    abort_local(e);
-  }
-
- private:
   MailboxTransport& local() {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(local_ != nullptr, "stagewise::C10dTransport: call begin_step(stages, ",
@@ -255,8 +298,9 @@ class C10dTransport : private detail::C10dReceiver {
         TORCH_CHECK(k.skip >= 0 && static_cast<std::size_t>(k.skip) < routes_.size(),
                     "stagewise::C10dTransport: skip ", k.skip, " has no route; pass every skip's ",
                     "(stash stage, pop stage) to the transport, ", routes_.size(), " were given");
-        return k.kind == schedule::TransferKind::skip ? routes_[static_cast<std::size_t>(k.skip)].stash_stage
-                                           : routes_[static_cast<std::size_t>(k.skip)].pop_stage;
+        return k.kind == schedule::TransferKind::skip
+                   ? routes_[static_cast<std::size_t>(k.skip)].stash_stage
+                   : routes_[static_cast<std::size_t>(k.skip)].pop_stage;
     }
     return k.stage;
   }
@@ -268,16 +312,14 @@ class C10dTransport : private detail::C10dReceiver {
                 "stagewise::C10dTransport: ", detail::describe(k),
                 " is beyond what message tags hold (256 stages, 4096 micro-batches, 31 skips); "
                 "use fewer chunks or stages");
-    return ((((static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind)) * 256 + k.stage) *
-                 4096 +
-             k.micro) *
-            32) +
-           (k.skip + 1);
+    const int kind = static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind);
+    return (((kind * 256 + k.stage) * 4096 + k.micro) * 32) + (k.skip + 1);
   }
 
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;
   std::atomic<std::int64_t> step_{0};
+  std::int64_t shared_ = 0;  // share() calls so far
   bool begun_ = false;
   std::thread watchdog_;
   std::thread reaper_;

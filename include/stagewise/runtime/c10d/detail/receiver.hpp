@@ -51,9 +51,9 @@ class C10dReceiver : protected C10dFailures {
   };
 
   // The rest of a message whose fixed header `fixed` has arrived: the header's tail, then the
-  // tensors. Nothing once this process aborted.
+  // tensors; counted in the traffic unless `counted` is false. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
-                                      const MessageKey& k) {
+                                      const MessageKey& k, bool counted = true) {
     std::vector<std::int64_t> words;
     {
       auto cpu = copy_to(fixed, torch::kCPU);
@@ -74,8 +74,10 @@ class C10dReceiver : protected C10dFailures {
         bytes += static_cast<std::int64_t>(t.nbytes());
       }
     }
-    ++messages_received_;
-    bytes_received_ += bytes;
+    if (counted) {
+      ++messages_received_;
+      bytes_received_ += bytes;
+    }
     return m;
   }
 
