@@ -4,6 +4,7 @@
 #include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/nn/deferred_batch_norm.hpp"
+#include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
@@ -45,11 +46,13 @@ namespace stagewise {
 /// - `train_step(x, target, loss_fn)`: forward and backward of every (micro-batch, stage) cell run
 ///   on the stage's worker following a schedule, so stages overlap in both directions; the
 ///   parameters' gradients accumulate exactly as unpipelined training on the micro-batches would.
-class PipeImpl : public torch::nn::Module {
+class PipeImpl : public detail::PlacedStages {
  public:
   PipeImpl(std::vector<detail::StageSpec> specs, PipeOptions options,
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
-      : options_(std::move(options)), layers_(std::move(layers)) {
+      : detail::PlacedStages("stagewise::Pipe"),
+        options_(std::move(options)),
+        layers_(std::move(layers)) {
     verify_ownership(specs);
     collect_deferred_batch_norms(specs);
     {
@@ -199,28 +202,9 @@ class PipeImpl : public torch::nn::Module {
   /// The original layers, in order.
   const std::vector<std::shared_ptr<torch::nn::Module>>& layers() const { return layers_; }
 
-  // The pipe places each stage on its device; moving the whole pipe would break that.
-  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
-    refuse_move(device);
-    (void)dtype;
-    (void)non_blocking;
-  }
-  void to(torch::Device device, bool non_blocking = false) override {
-    refuse_move(device);
-    (void)non_blocking;
-  }
-  /// Changing the dtype of every parameter is allowed.
-  void to(torch::Dtype dtype, bool non_blocking = false) override {
-    torch::nn::Module::to(dtype, non_blocking);
-  }
+  // to(device) is refused by PlacedStages: the pipe places each stage on its device.
 
  private:
-  [[noreturn]] static void refuse_move(torch::Device device) {
-    TORCH_CHECK(false, "stagewise::Pipe: cannot move the pipe to ", device.str(),
-                ": each stage lives on the device it was given. Build a new Pipe with "
-                "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
-                "allowed).");
-  }
 
   const runtime::StageRuntime& stage_at(std::size_t k) const {
     TORCH_CHECK_INDEX(k < stages_.size(), "stagewise::Pipe: stage index ", k,

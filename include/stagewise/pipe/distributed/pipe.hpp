@@ -3,6 +3,7 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
+#include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
@@ -105,7 +106,7 @@ struct Options {
 ///   auto loss = pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // every rank
 /// This rank's stages are its registered submodules ("stage<j>"): `pipe->parameters()` gives
 /// them to this rank's optimizer, `pipe->train(false)` / `pipe->eval()` switch their mode.
-class PipeImpl : public torch::nn::Module {
+class PipeImpl : public ::stagewise::detail::PlacedStages {
  public:
   /// Rendezvouses from the environment (`torchrun`'s MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
   /// LOCAL_RANK) and builds this rank's stages of `seq` split by `b`.
@@ -118,7 +119,8 @@ class PipeImpl : public torch::nn::Module {
   /// Connection over the caller's own process group and store).
   PipeImpl(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
            PipeOptions options = {}, Options dist = {})
-      : connection_(std::move(connection)),
+      : ::stagewise::detail::PlacedStages("stagewise::distributed::Pipe"),
+        connection_(std::move(connection)),
         options_(std::move(options)),
         dist_(std::move(dist)),
         prefix_(dist_.transport().prefix_) {
@@ -223,32 +225,11 @@ class PipeImpl : public torch::nn::Module {
   ///   pipe->train_step(x, y, loss_fn);
   ///   const auto sent = pipe->traffic().bytes_sent - before.bytes_sent;
   runtime::C10dTraffic traffic() const { return transport_->traffic(); }
-  /// Train or eval mode for this rank's stages (checkpointing runs only in training).
+  /// Train or eval mode for this rank's stages (checkpointing runs only in training). Moving
+  /// the pipe with to(device) is refused (PlacedStages); to(dtype) is allowed.
   void train(bool on = true) override { torch::nn::Module::train(on); }
 
-  // The pipe places each stage on its device; moving the whole pipe would break that.
-  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
-    refuse_move(device);
-    (void)dtype;
-    (void)non_blocking;
-  }
-  void to(torch::Device device, bool non_blocking = false) override {
-    refuse_move(device);
-    (void)non_blocking;
-  }
-  /// Changing the dtype of every parameter is allowed.
-  void to(torch::Dtype dtype, bool non_blocking = false) override {
-    torch::nn::Module::to(dtype, non_blocking);
-  }
-
  private:
-  [[noreturn]] static void refuse_move(torch::Device device) {
-    TORCH_CHECK(false, "stagewise::distributed::Pipe: cannot move the pipe to ", device.str(),
-                ": each stage lives on the device it was given. Build the pipe with "
-                "PipeOptions().devices(...) to place stages elsewhere (changing the dtype is "
-                "allowed).");
-  }
-
   template <class Schedule>
   torch::Tensor run(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                     const Schedule& sched, const std::function<void(int)>& before) {
