@@ -5,7 +5,6 @@
 #include <torch/types.h>
 
 #include <cstddef>
-#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -29,7 +28,7 @@ struct MessageKey {
 ///   std::unordered_map<MessageKey, Message, MessageKeyHash> box;
 struct MessageKeyHash {
   std::size_t operator()(const MessageKey& k) const noexcept {
-    std::size_t h = static_cast<std::size_t>(schedule::index_of(k.kind));
+    std::size_t h = static_cast<std::size_t>(k.kind);
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.stage));
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.micro));
     h = h * 1000003u ^ static_cast<std::size_t>(static_cast<unsigned>(k.skip));

@@ -312,8 +312,8 @@ class C10dTransport : private detail::C10dReceiver {
                 "stagewise::C10dTransport: ", detail::describe(k),
                 " is beyond what message tags hold (256 stages, 4096 micro-batches, 31 skips); "
                 "use fewer chunks or stages");
-    const int kind = static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind);
-    return (((kind * 256 + k.stage) * 4096 + k.micro) * 32) + (k.skip + 1);
+    const int step_kind = static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind);
+    return (((step_kind * 256 + k.stage) * 4096 + k.micro) * 32) + (k.skip + 1);
   }
 
   std::function<int(int)> rank_of_;
