@@ -4,6 +4,7 @@
 #include "stagewise/runtime/transport.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/types.h>
 
 #include <condition_variable>
 #include <cstddef>
@@ -18,17 +19,30 @@ namespace stagewise::runtime {
 /// The in-process transport: one mailbox slot per message of a step (activations, gradients, skip
 /// tensors and skip gradients), one mutex, one condition variable per receiving stage, one abort.
 /// Slots are preallocated, so sending and receiving allocate nothing beyond the message itself.
+/// A `pipe_transport`: `stagewise::Pipe` keeps one and begins each step on it (the slots are
+/// reused while the step's shape stays the same); nothing crosses processes, so `share` returns
+/// its value and `traffic` stays 0.
 ///   MailboxTransport mail(/*stages=*/2, /*micro_batches=*/4, /*skips=*/0);
 ///   mail.send({schedule::TransferKind::activation, 1, 0}, Message{{x}});
 ///   auto m = mail.recv({schedule::TransferKind::activation, 1, 0});  // nullopt once aborted
 class MailboxTransport {
  public:
-  MailboxTransport(int stages, int micro_batches, int skips)
-      : stages_(stages),
-        m_(micro_batches),
-        skips_(skips),
-        slots_(static_cast<std::size_t>(stages) * micro_batches * (2 + 2 * skips)),
-        wake_(static_cast<std::size_t>(stages)) {}
+  /// A transport for no step yet: call begin_step first.
+  MailboxTransport() = default;
+  MailboxTransport(int stages, int micro_batches, int skips) { reset(stages, micro_batches, skips); }
+
+  /// Starts a step of `plan` with `routes.size()` skips: every slot empty, no abort, no error.
+  /// Called before the step's workers run (not while a step is under way).
+  void begin_step(const schedule::Plan& plan, const std::vector<schedule::SkipRoute>& routes) {
+    reset(plan.stages, plan.micro_batches, static_cast<int>(routes.size()));
+  }
+
+  /// Every stage is in this process: `value` is the value (`from` and `index` name it for
+  /// transports between processes).
+  torch::Tensor share(const torch::Tensor& value, int /*from*/, int /*index*/) { return value; }
+
+  /// Nothing crosses processes.
+  Traffic traffic() const { return {}; }
 
   /// Leaves `message` for the receiver of `key`; never blocks on the receiver.
   void send(const MessageKey& key, Message message) {
@@ -97,9 +111,24 @@ class MailboxTransport {
     return cell * per_cell + offset;
   }
 
-  int stages_;
-  int m_;
-  int skips_;
+  void reset(int stages, int micro_batches, int skips) {
+    const auto slots = static_cast<std::size_t>(stages) * micro_batches * (2 + 2 * skips);
+    if (stages != stages_ || slots != slots_.size()) {
+      slots_ = std::vector<std::optional<Message>>(slots);
+      wake_ = std::vector<std::condition_variable>(static_cast<std::size_t>(stages));
+    } else {
+      for (auto& slot : slots_) slot.reset();  // left by a failed step
+    }
+    stages_ = stages;
+    m_ = micro_batches;
+    skips_ = skips;
+    aborted_ = false;
+    error_ = nullptr;
+  }
+
+  int stages_ = 0;
+  int m_ = 0;
+  int skips_ = 0;
   mutable std::mutex mutex_;
   std::vector<std::optional<Message>> slots_;
   std::vector<std::condition_variable> wake_;
@@ -107,6 +136,6 @@ class MailboxTransport {
   std::exception_ptr error_;
 };
 
-static_assert(transport<MailboxTransport>);
+static_assert(pipe_transport<MailboxTransport>);
 
 }  // namespace stagewise::runtime

@@ -5,7 +5,6 @@
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/fan_out.hpp"
-#include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
@@ -387,6 +386,7 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
 /// action's start and end, in microseconds from the start of the step.
 ///   MailboxTransport mail(plan.stages, plan.micro_batches, skips);
 ///   auto loss = run_programs(stages, plan, step, mail, workers);
+/// (The pipes call it from `detail::PipeOver`, which also rethrows the transport's first error.)
 template <transport Transport>
 torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
                            const schedule::Plan& plan, TrainStep& step, Transport& mail,
@@ -428,23 +428,6 @@ torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
                      });
   }
   return loss;
-}
-
-/// run_programs over the in-process transport, every worker local: worker w runs on
-/// `workers[w]`. Messages of every kind go through one `MailboxTransport` made for the step.
-inline torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
-                                  const schedule::Plan& plan, TrainStep& step,
-                                  std::span<Worker* const> workers,
-                                  schedule::Timeline* timeline = nullptr) {
-  const int skips = step.skips ? static_cast<int>(step.skips->num_skips()) : 0;
-  MailboxTransport mail(plan.stages, plan.micro_batches, skips);
-  try {
-    return run_programs(stages, plan, step, mail, workers, timeline);
-  } catch (...) {
-    // The first failure in time is the step's error (fan_out's is the first by worker index).
-    if (auto e = mail.error()) std::rethrow_exception(e);
-    throw;
-  }
 }
 
 }  // namespace stagewise::runtime

@@ -1,18 +1,25 @@
 #pragma once
 
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/schedule/comms.hpp"
+#include "stagewise/schedule/plan.hpp"
+
+#include <torch/types.h>
 
 #include <concepts>
+#include <cstdint>
 #include <exception>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace stagewise::runtime {
 
 /// Moves messages between stages. send never blocks on the receiver; recv blocks until the
 /// message for `key` is there, or returns std::nullopt once the step was aborted. abort(e) wakes
 /// every receiver for good (the first `e` is the step's error). `MailboxTransport` is the
-/// in-process one; a transport between processes (c10d) satisfies the same concept.
+/// in-process one; a transport between processes (c10d) satisfies the same concept. This is what
+/// the executor (`run_programs`) asks; a pipe asks for a `pipe_transport`.
 ///   static_assert(stagewise::runtime::transport<stagewise::runtime::MailboxTransport>);
 template <class T>
 concept transport = requires(T& t, const MessageKey& k, Message m, std::exception_ptr e) {
@@ -20,5 +27,45 @@ concept transport = requires(T& t, const MessageKey& k, Message m, std::exceptio
   { t.recv(k) } -> std::same_as<std::optional<Message>>;
   t.abort(e);
 };
+
+/// What a transport moved out of this process and into it: messages and the bytes of their
+/// tensors' data. Message headers (a few dozen bytes each) are not counted, nor are messages
+/// between stages of the same process, which move no bytes (so an in-process transport counts 0).
+///   auto t = pipe->traffic();  // distributed::Pipe, cumulative since it was built
+///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
+///               (long long)t.messages_sent);
+struct Traffic {
+  std::int64_t messages_sent = 0;
+  std::int64_t bytes_sent = 0;
+  std::int64_t messages_received = 0;
+  std::int64_t bytes_received = 0;
+};
+
+/// Everything a pipe asks of its transport for a training step (both `stagewise::Pipe` and
+/// `distributed::Pipe` run their steps through `detail::PipeOver<T>`, which asks nothing else):
+/// - the messages of the step (`transport`); between processes, `recv` returns nothing only once
+///   this process aborted, and throws an error naming the other process once that one failed;
+/// - `begin_step(plan, routes)` on the caller's thread before any worker runs: the step's plan,
+///   already verified, and its skip routes (skip i's messages carry index i); a transport between
+///   processes checks the plan's messages can flow (`schedule::verify_comms`) and may post its
+///   receives now;
+/// - `share(value, from, index)`: every process gets the small tensor that worker (process)
+///   `from` holds (index 0: the number of micro-batches, from the first stage's; 1: the loss,
+///   from the last stage's); undefined once this process aborted. Every process makes the same
+///   calls in the same order; in one process it returns `value`;
+/// - `error()`: the step's first error given to `abort` (null if none), read after the step;
+/// - `traffic()`: what crossed processes so far.
+/// A type missing one of these is refused at compile time, naming the expression.
+///   static_assert(stagewise::runtime::pipe_transport<stagewise::runtime::MailboxTransport>);
+template <class T>
+concept pipe_transport =
+    transport<T> && requires(T& t, const T& ct, const schedule::Plan& plan,
+                             const std::vector<schedule::SkipRoute>& routes,
+                             const torch::Tensor& value, int from, int index) {
+      t.begin_step(plan, routes);
+      { t.share(value, from, index) } -> std::same_as<torch::Tensor>;
+      { ct.error() } -> std::same_as<std::exception_ptr>;
+      { ct.traffic() } -> std::same_as<Traffic>;
+    };
 
 }  // namespace stagewise::runtime

@@ -18,13 +18,18 @@
 
 namespace stagewise::schedule {
 
-/// A skip connection as the schedule layer sees it: the stage that stashes the tensor and the
-/// (later) stage that pops it. `skip` layouts give these; tests write them by hand.
+/// A skip connection's route: the stage that stashes the tensor and the (later) stage that pops
+/// it; `none` (-1) for a side nobody declares. The one route type of the library: the skip
+/// layer's `stagewise::skip_route` is this plus the skip it routes, and the pipes hand these to
+/// `comms` and to their transports.
 ///   stagewise::schedule::SkipRoute{0, 2}  // stashed on stage 0, popped on stage 2
 struct SkipRoute {
-  int stash_stage = 0;
-  int pop_stage = 0;
-  friend bool operator==(const SkipRoute&, const SkipRoute&) = default;
+  static constexpr int none = -1;
+  int stash_stage = none;
+  int pop_stage = none;
+  /// Whether the skip crosses stages (then it travels as a message of its own).
+  constexpr bool requires_copy() const { return stash_stage != pop_stage; }
+  friend constexpr bool operator==(const SkipRoute&, const SkipRoute&) = default;
 };
 
 /// One message of a training step: `kind` for micro-batch `micro` from stage `from` to stage

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/schedule/comms.hpp"
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/tracker.hpp"
 #include "stagewise/skip/detail/type_list.hpp"
@@ -10,21 +11,17 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
-#include <limits>
 #include <vector>
 
 namespace stagewise {
 
-/// One skip's route through a pipe: the stage that stashes it and the stage that pops it.
-/// A skip within one stage needs no copy; one that crosses stages travels through a portal from
+/// One skip's route through a pipe: the schedule layer's `SkipRoute` (the stage that stashes it
+/// and the stage that pops it, `none` for a side nobody declares) and the skip it routes. A skip
+/// within one stage needs no copy; one that crosses stages travels through a portal from
 /// `stash_stage` straight to `pop_stage`.
-struct skip_route {
-  static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
-  std::size_t stash_stage = none;
-  std::size_t pop_stage = none;
+///   stagewise::skip_route{0, 2, &stagewise::skip_info_of<MySkip>}
+struct skip_route : schedule::SkipRoute {
   const SkipInfo* skip = nullptr;
-
-  constexpr bool requires_copy() const { return stash_stage != pop_stage; }
   friend constexpr bool operator==(const skip_route&, const skip_route&) = default;
 };
 
@@ -52,8 +49,9 @@ struct route_of<Entries, X, std::index_sequence<K...>> {
     const std::array<bool, sizeof...(K) + 1> pops{
         (count_of<typename at_t<K, Entries>::pops, X> > 0)..., false};
     for (std::size_t k = 0; k < sizeof...(K); ++k) {
-      if (stashes[k] && r.stash_stage == skip_route::none) r.stash_stage = stage[k];
-      if (pops[k] && r.pop_stage == skip_route::none) r.pop_stage = stage[k];
+      const int at = static_cast<int>(stage[k]);
+      if (stashes[k] && r.stash_stage == skip_route::none) r.stash_stage = at;
+      if (pops[k] && r.pop_stage == skip_route::none) r.pop_stage = at;
     }
     return r;
   }
@@ -94,7 +92,7 @@ struct skip_layout {
     std::array<skip_route, count_into(J)> out{};
     std::size_t k = 0;
     for (const auto& r : routes()) {
-      if (r.pop_stage == J && r.requires_copy()) out[k++] = r;
+      if (r.pop_stage == static_cast<int>(J) && r.requires_copy()) out[k++] = r;
     }
     detail::sort_by_source(out);
     return out;
@@ -110,7 +108,9 @@ struct skip_layout {
  private:
   static constexpr std::size_t count_into(std::size_t j) {
     std::size_t c = 0;
-    for (const auto& r : routes()) c += (r.pop_stage == j && r.requires_copy()) ? 1 : 0;
+    for (const auto& r : routes()) {
+      c += (r.pop_stage == static_cast<int>(j) && r.requires_copy()) ? 1 : 0;
+    }
     return c;
   }
   template <class... X>
@@ -127,9 +127,11 @@ class SkipLayout {
   SkipLayout() = default;
   SkipLayout(std::size_t num_stages, std::vector<skip_route> routes)
       : routes_(std::move(routes)), stages_(num_stages), into_(num_stages), from_(num_stages) {
+    const auto inside = [&](int j) { return j >= 0 && static_cast<std::size_t>(j) < num_stages; };
     for (const auto& r : routes_) {
-      TORCH_CHECK(r.stash_stage < num_stages && r.pop_stage < num_stages && r.skip != nullptr,
+      TORCH_CHECK(inside(r.stash_stage) && inside(r.pop_stage) && r.skip != nullptr,
                   "stagewise: internal error: a skip route outside the pipe's stages");
+      stage_routes_.push_back(r);
       stages_[r.stash_stage].stashes.push_back(r.skip);
       stages_[r.pop_stage].pops.push_back(r.skip);
       if (!r.requires_copy()) continue;
@@ -149,6 +151,9 @@ class SkipLayout {
   bool has_copies() const { return crosses_; }
   std::size_t num_stages() const { return stages_.size(); }
   const std::vector<skip_route>& routes() const { return routes_; }
+  /// The same routes without their skips, in the same order: what `schedule::comms` and the
+  /// transports take (skip i's messages carry index i).
+  const std::vector<schedule::SkipRoute>& stage_routes() const { return stage_routes_; }
 
   /// The route of `skip`, or null when the pipe does not route it.
   const skip_route* find(const SkipInfo& skip) const {
@@ -180,6 +185,7 @@ class SkipLayout {
 
  private:
   std::vector<skip_route> routes_;
+  std::vector<schedule::SkipRoute> stage_routes_;
   std::vector<SkipDeclarations> stages_;
   std::vector<std::vector<skip_route>> into_;  // by popping stage, sorted by source
   std::vector<std::vector<skip_route>> from_;  // by stashing stage

@@ -3,7 +3,6 @@
 #include <torch/types.h>
 
 #include <chrono>
-#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -34,23 +33,17 @@ struct C10dOptions {
     return *this;
   }
 
+  /// What the setters above set, read back (as `PipeOptions`' getters are).
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::chrono::milliseconds poll() const { return poll_; }
+  const torch::Device& device() const { return device_; }
+  const std::string& prefix() const { return prefix_; }
+
+ private:
   std::chrono::milliseconds timeout_{30000};
   std::chrono::milliseconds poll_{100};
   torch::Device device_{torch::kCPU};
   std::string prefix_{"stagewise"};
-};
-
-/// What one rank exchanged with the other ranks: messages and the bytes of their tensors' data.
-/// Message headers (a few dozen bytes each) are not counted, nor are messages between stages
-/// of the same rank, which move no bytes.
-///   auto t = pipe->traffic();  // distributed::Pipe, cumulative since it was built
-///   std::printf("%lld bytes sent in %lld messages\n", (long long)t.bytes_sent,
-///               (long long)t.messages_sent);
-struct C10dTraffic {
-  std::int64_t messages_sent = 0;
-  std::int64_t bytes_sent = 0;
-  std::int64_t messages_received = 0;
-  std::int64_t bytes_received = 0;
 };
 
 }  // namespace stagewise::runtime

@@ -71,7 +71,7 @@ class C10dTransport : private detail::C10dReceiver {
   ~C10dTransport() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      idle_.wait_for(lock, options_.timeout_, [&] { return sends_.empty() && !sending_; });
+      idle_.wait_for(lock, options_.timeout(), [&] { return sends_.empty() && !sending_; });
       closing_ = true;
       stopped_ = true;
       abort_works_locked();
@@ -87,9 +87,19 @@ class C10dTransport : private detail::C10dReceiver {
 
   /// The messages and tensor bytes this rank sent to and received from other ranks since the
   /// transport was built (each message counted once it is sent, or once it has fully arrived).
-  C10dTraffic traffic() const {
+  Traffic traffic() const {
     return {messages_sent_.load(), bytes_sent_.load(), messages_received_.load(),
             bytes_received_.load()};
+  }
+
+  /// Starts a training step of `plan` (a `pipe_transport`'s begin_step): checks that the plan's
+  /// messages between ranks cannot deadlock (`schedule::verify_comms`), takes the step's skip
+  /// routes, begins the step (below) and posts this rank's receives (`expect`).
+  void begin_step(const schedule::Plan& plan, const std::vector<schedule::SkipRoute>& routes) {
+    schedule::verify_comms(plan, routes);
+    routes_ = routes;
+    begin_step(plan.stages, plan.micro_batches, static_cast<int>(routes.size()));
+    expect(receives_of(schedule::comms(plan, routes), rank()));
   }
 
   /// Starts a training step of `stages` stages, `micro_batches` micro-batches and `skips` skip
@@ -115,7 +125,7 @@ class C10dTransport : private detail::C10dReceiver {
   ///   using stagewise::schedule::TransferKind;
   ///   t.expect({{TransferKind::activation, 1, 0}, {TransferKind::gradient, 0, 0}});
   void expect(const std::vector<MessageKey>& keys) {
-    if (!options_.device_.is_cpu()) return;
+    if (!options_.device().is_cpu()) return;
     rethrow_failure();
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -191,6 +201,12 @@ class C10dTransport : private detail::C10dReceiver {
     return copy_to(m->tensors[0], torch::kCPU);
   }
 
+  /// The first error this process gave `abort` in the current step (null if none).
+  std::exception_ptr error() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return local_ ? local_->error() : nullptr;
+  }
+
   /// Stops this rank's communication after a failure here: tells every other rank through the
   /// store (they fail with `e`'s message, naming this rank), wakes this process's receivers
   /// (they return nothing) and cancels pending transfers.
@@ -235,17 +251,17 @@ class C10dTransport : private detail::C10dReceiver {
     std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
     // Onto the transport's device through the one crossing helper (this is the sending stage's
     // worker: its current stream is the stage's compute stream).
-    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device_));
+    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device()));
     if (header.numel() > detail::kHeaderWords) {
       out.push_back(copy_to(
           header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
               .contiguous(),
-          options_.device_));
+          options_.device()));
     }
     std::int64_t bytes = 0;
     for (const auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
-        out.push_back(copy_to(t.detach(), options_.device_).contiguous());
+        out.push_back(copy_to(t.detach(), options_.device()).contiguous());
         bytes += static_cast<std::int64_t>(out.back().nbytes());
       }
     }
@@ -275,7 +291,7 @@ class C10dTransport : private detail::C10dReceiver {
   // Receives the message `k` from rank `src` under `tag`: its header, then the rest.
   std::optional<Message> receive_from(int src, int tag, const MessageKey& k, bool counted = true) {
     auto fixed = torch::empty({detail::kHeaderWords},
-                              torch::TensorOptions().dtype(torch::kInt64).device(options_.device_));
+                              torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
     if (!receive(fixed, src, tag, k)) return std::nullopt;
     return receive_rest(fixed, src, tag, k, counted);
   }

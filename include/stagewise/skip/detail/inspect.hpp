@@ -105,7 +105,9 @@ inline SkipLayout verify_skip_layers(const std::vector<LayerSkips>& layers,
   }
   std::vector<skip_route> routes;
   for (const auto* s : stash_order) {
-    routes.push_back({layers[stashed_at[s]].stage, layers[popped_at[s]].stage, s});
+    routes.push_back({{static_cast<int>(layers[stashed_at[s]].stage),
+                       static_cast<int>(layers[popped_at[s]].stage)},
+                      s});
   }
   return SkipLayout(num_stages, std::move(routes));
 }

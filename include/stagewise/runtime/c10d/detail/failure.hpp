@@ -38,7 +38,7 @@ class C10dFailures {
       : group_(c.group),
         store_(c.store),
         options_(std::move(options)),
-        abort_key_(options_.prefix_ + "/abort") {}
+        abort_key_(options_.prefix() + "/abort") {}
   ~C10dFailures() = default;
 
   C10dFailures(const C10dFailures&) = delete;
@@ -93,7 +93,7 @@ class C10dFailures {
     }
     // A rank that failed published why before it exited: that is the cause to report. The
     // closed connection can be seen here before the store answers with it, so look a few times.
-    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll_,
+    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll(),
                                                                    std::chrono::milliseconds(300));
     while (true) {
       if (auto published = read_published()) {
@@ -165,14 +165,14 @@ class C10dFailures {
     bool store_ok = true;
     std::unique_lock<std::mutex> lock(mutex_);
     while (!closing_) {
-      wake_.wait_for(lock, options_.poll_);
+      wake_.wait_for(lock, options_.poll());
       if (closing_ || stopped_) continue;
       std::string stuck;
       const auto now = std::chrono::steady_clock::now();
       for (const auto& [id, w] : waiting_) {
         if (now > w.deadline) {
           stuck = "rank " + std::to_string(rank()) + " waited more than " +
-                  std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(w.key) +
+                  std::to_string(options_.timeout().count()) + " ms for " + detail::describe(w.key) +
                   " from rank " + std::to_string(w.peer) + "; that rank is stuck or slower than " +
                   "the timeout (raise C10dOptions::timeout if its stage is just slow)";
           break;
@@ -247,7 +247,7 @@ class C10dFailures {
   std::string abort_key_;
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
-  std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
+  mutable std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
   std::condition_variable wake_;
   std::condition_variable idle_;
   std::deque<Pending> sends_;

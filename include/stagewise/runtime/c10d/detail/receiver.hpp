@@ -66,7 +66,7 @@ class C10dReceiver : protected C10dFailures {
         words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
       }
     }
-    Message m = detail::decode_header(words, options_.device_);
+    Message m = detail::decode_header(words, options_.device());
     std::int64_t bytes = 0;
     for (auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
@@ -89,7 +89,7 @@ class C10dReceiver : protected C10dFailures {
     auto it = arrivals_.find(k);
     expected = it != arrivals_.end();
     if (!expected) return std::nullopt;
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout_;
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout();
     while (true) {
       it = arrivals_.find(k);
       if (it->second.done) {
@@ -105,7 +105,7 @@ class C10dReceiver : protected C10dFailures {
           !arrivals_.find(k)->second.done) {
         const std::string stuck =
             "rank " + std::to_string(rank()) + " waited more than " +
-            std::to_string(options_.timeout_.count()) + " ms for " + detail::describe(k) +
+            std::to_string(options_.timeout().count()) + " ms for " + detail::describe(k) +
             " from rank " + std::to_string(src) + "; that rank is stuck or slower than " +
             "the timeout (raise C10dOptions::timeout if its stage is just slow)";
         lock.unlock();
@@ -140,7 +140,7 @@ class C10dReceiver : protected C10dFailures {
 
   // Receives into `t`; false once aborted here; throws the failure otherwise.
   bool receive(torch::Tensor& t, int src, int tag, const MessageKey& k) {
-    auto id = post(t, src, tag, k, std::chrono::steady_clock::now() + options_.timeout_);
+    auto id = post(t, src, tag, k, std::chrono::steady_clock::now() + options_.timeout());
     return id && await(*id, src, k);
   }
 

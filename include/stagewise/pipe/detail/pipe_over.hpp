@@ -1,0 +1,234 @@
+#pragma once
+
+// The one pipe: stages, their skip layout and a transport, and the training step written once.
+// stagewise::PipeImpl is this over a MailboxTransport (every stage in this process);
+// distributed::PipeImpl is this over a C10dTransport (this rank's stages, the rest elsewhere),
+// adding only its rendezvous and rank placement. A new transport (any runtime::pipe_transport)
+// runs under the same step: no pipe code changes.
+
+#include "stagewise/core/batch.hpp"
+#include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/core/detail/stage_spec.hpp"
+#include "stagewise/pipe/detail/placed_stages.hpp"
+#include "stagewise/pipe/detail/stage_devices.hpp"
+#include "stagewise/pipe/detail/step.hpp"
+#include "stagewise/pipe/fused_stepper.hpp"
+#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/detail/train_skips.hpp"
+#include "stagewise/runtime/program_executor.hpp"
+#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/runtime/transport.hpp"
+#include "stagewise/schedule/concepts.hpp"
+#include "stagewise/schedule/gpipe.hpp"
+#include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/timeline.hpp"
+#include "stagewise/skip/detail/inspect.hpp"
+#include "stagewise/skip/layout.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise::detail {
+
+template <runtime::pipe_transport Transport>
+class PipeOver : public PlacedStages {
+ public:
+  /// One training step driven by `sched` (GPipe's fill-drain by default; also
+  /// `schedule::one_f_one_b`, `interleaved_one_f_one_b`, `zero_bubble_h1`, or your own coroutine):
+  /// returns the loss of the whole mini-batch and leaves the parameters' gradients accumulated, as
+  /// `loss_fn(model(input), target).backward()` would. `loss_fn(output, target)` must average
+  /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
+  /// micro-batch's loss is weighted by its share of the rows. Every tensor of `input` and `target`
+  /// must have the same, positive number of rows, and `loss_fn` must return a scalar: anything
+  /// else is an error naming the fix. `input` and `target` may be on any device: each
+  /// micro-batch's input moves to stage 0's device and its target to the last stage's, where
+  /// `loss_fn` runs; the returned loss is on the last stage's device. An exception from a stage
+  /// keeps its type and text and records its stage, micro-batch and phase (`error_context`). The
+  /// schedule is verified before anything runs. If `timeline` is given, it receives every action's
+  /// start and end in microseconds (of this process's stages; see `schedule::to_chrome_trace`).
+  /// On a distributed pipe every rank calls it with the same schedule: the rank of the first
+  /// stage gives `input`, the rank of the last stage gives `target` (the others may pass
+  /// undefined tensors), and every rank returns the loss.
+  ///   sw::schedule::Timeline t;
+  ///   pipe->train_step(x, y, loss_fn, sw::schedule::zero_bubble_h1{}, &t);
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           const Schedule& sched = {}, schedule::Timeline* timeline = nullptr) {
+    return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
+  }
+
+  /// train_step for one input tensor and one target tensor.
+  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), sched, timeline);
+  }
+
+  /// train_step with the optimizer step fused into backward (e.g. `optim::FusedStep` over this
+  /// pipe's, or this rank's, parameters): each parameter steps as soon as its stage's last
+  /// micro-batch has been back-propagated, while the earlier stages are still in backward, and its
+  /// gradient is freed at once. Equal, bit for bit, to train_step followed by the unfused
+  /// optimizer's step (for SGD, Adam, AdamW, ...).
+  ///   stagewise::optim::FusedStep fused(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  ///   auto loss = pipe->train_step(x, y, loss_fn, fused);  // no optimizer.step() needed
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           Fused& fused, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    return with_fused_step(fused, [&](const std::function<void(int)>& before) {
+      return run_step(input, target, std::move(loss_fn), sched, before, timeline);
+    });
+  }
+
+  /// The fused train_step for one input tensor and one target tensor.
+  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched, timeline);
+  }
+
+  /// The options the pipe was built with.
+  const PipeOptions& options() const { return options_; }
+  /// Which stage stashes and which pops each skip connection (verified at construction).
+  const SkipLayout& skip_layout() const { return *skips_; }
+  /// The messages and tensor bytes this process exchanged with other processes since the pipe
+  /// was built (0 in one process).
+  ///   const auto before = pipe->traffic();
+  ///   pipe->train_step(x, y, loss_fn);
+  ///   const auto sent = pipe->traffic().bytes_sent - before.bytes_sent;
+  runtime::Traffic traffic() const { return transport_->traffic(); }
+
+ protected:
+  /// `who` opens every error ("stagewise::Pipe").
+  PipeOver(std::string who, PipeOptions options)
+      : PlacedStages(who), who_(std::move(who)), options_(std::move(options)) {}
+
+  /// Verifies the skips of `specs`' modules (every problem in one message), places the stages for
+  /// which `local(j)` holds on their devices and keeps them (registered as "stage<j>"); the others
+  /// stay null: another process runs them.
+  template <class Local>
+  void build_stages(std::vector<StageSpec> specs, Local local) {
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (const auto& spec : specs) modules.push_back(spec.module);
+    skips_ = std::make_shared<const SkipLayout>(skip_layout_of(modules));
+    const auto devices = place_stage_modules(specs, options_.devices(), who_, local);
+    for (std::size_t j = 0; j < specs.size(); ++j) {
+      if (!local(j)) {
+        stages_.push_back(nullptr);  // another process's: its parameters are dropped here
+        continue;
+      }
+      if (specs[j].module) register_module("stage" + std::to_string(j), specs[j].module);
+      stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[j]), devices[j]));
+    }
+  }
+
+  /// The transport every step runs over (set once, after build_stages).
+  void set_transport(std::unique_ptr<Transport> transport) { transport_ = std::move(transport); }
+
+  /// Refuses a schedule that places the pipe's stages on `workers` workers as `placement` says
+  /// (stage j on worker placement[j]) where this pipe cannot run them. In one process: at most
+  /// one worker per stage.
+  virtual void check_placement(const std::vector<int>& placement, int workers) const {
+    TORCH_CHECK(workers <= static_cast<int>(placement.size()), who_,
+                "::train_step: the schedule plans ", workers, " workers for ", placement.size(),
+                " stages; a pipe runs at most one worker per stage");
+  }
+
+  /// Called with the step's number of micro-batches just before its workers start.
+  virtual void begin_micro_batches(int /*micro_batches*/) {}
+
+  std::string who_;
+  PipeOptions options_;
+  std::shared_ptr<const SkipLayout> skips_;
+  std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
+  std::unique_ptr<Transport> transport_;  // last: stops before the stages go
+
+ private:
+  template <class Schedule>
+  torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                         const Schedule& sched, const std::function<void(int)>& before,
+                         schedule::Timeline* timeline) {
+    const std::string where = who_ + "::train_step";
+    const int n = static_cast<int>(stages_.size());
+    TORCH_CHECK(n > 0, where, ": the pipe has no stages");
+    TORCH_CHECK(torch::GradMode::is_enabled(), where,
+                ": grad mode is off (a NoGradGuard is active); train_step computes gradients, so "
+                "call it with grad enabled");
+    const auto placement = schedule::placement_of(sched, n);
+    check_placement(placement, schedule::workers_of(sched, n));
+    const bool first = stages_.front() != nullptr, last = stages_.back() != nullptr;
+    check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
+    runtime::TrainStep step;
+    if (first) step.inputs = scatter(input, options_.chunks());
+    if (last) step.targets = scatter(target, options_.chunks());
+    // The first stage's process decides the number of micro-batches; the others learn it
+    // through the transport.
+    const torch::Tensor count = transport_->share(
+        first ? torch::tensor(static_cast<std::int64_t>(step.inputs.size())) : torch::Tensor(),
+        placement.front(), /*index=*/0);
+    TORCH_CHECK(count.defined(), where, ": this process stopped before the step began (it aborted "
+                "earlier); build a new pipe");
+    const int m = static_cast<int>(count.item<std::int64_t>());
+    TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m, where,
+                ": the input splits into ", m, " micro-batches but the target into ",
+                step.targets.size(), "; give them the same number of rows");
+    if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+    if (last) {
+      step.weights = row_weights(step.targets);
+    } else {
+      step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+      step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
+    }
+    step.loss_fn = std::move(loss_fn);
+    step.training = is_training();
+    step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
+    const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
+    if (!skips_->empty()) {
+      step.skips = std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(),
+                                                                 static_cast<std::size_t>(m));
+    }
+    // Each micro-batch's input on stage 0's device and its target on the last stage's, moved
+    // here on the caller's thread, after the caller's streams (the fence) and before any worker.
+    runtime::StreamFence fence(stages_);
+    if (first) stages_.front()->receive_from_caller(step.inputs);
+    if (last) stages_.back()->receive_from_caller(step.targets);
+    if (before) before(m);
+    begin_micro_batches(m);
+    transport_->begin_step(plan, skips_->stage_routes());
+    // Worker w runs on the thread of its first stage here; null: another process's.
+    std::vector<Worker*> workers(static_cast<std::size_t>(plan.workers), nullptr);
+    for (int j = n - 1; j >= 0; --j) {
+      auto& stage = stages_[static_cast<std::size_t>(j)];
+      if (stage) workers[static_cast<std::size_t>(placement[j])] = &stage->worker;
+    }
+    torch::Tensor loss;
+    try {
+      loss = runtime::run_programs(stages_, plan, step, *transport_, workers, timeline);
+    } catch (...) {
+      // The first failure in time is the step's error (run_programs' is the first by worker).
+      if (auto e = transport_->error()) std::rethrow_exception(e);
+      throw;
+    }
+    if (auto e = transport_->error()) std::rethrow_exception(e);
+    fence.leave();  // the loss is read on this thread next
+    // The last stage's process has the loss; every process returns it.
+    loss = transport_->share(loss, placement.back(), /*index=*/1);
+    TORCH_CHECK(loss.defined(), where, ": this process stopped before the step's loss arrived (it "
+                "aborted); build a new pipe");
+    return loss;
+  }
+};
+
+}  // namespace stagewise::detail
