@@ -13,8 +13,8 @@
 
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
-#include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/key_values.hpp"
+#include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/rounds.hpp"
 #include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
@@ -57,7 +57,8 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
 }
 
 // One rank of the distributed pipe: runs a variant when the parent asks ('g' gpipe, 'o' 1F1B,
-// 'q' quit) and, on rank 0, answers with the median step time in microseconds.
+// 'e' the end-of-step agreement alone, 'q' quit) and, on rank 0, answers with the median step
+// time in microseconds.
 [[noreturn]] void rank_main(int rank, int port, int commands, int answers) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
@@ -67,8 +68,14 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
   int code = 0;
   try {
     at::set_num_threads(1);
-    sw::distributed::Pipe pipe(model(), sw::balance{4, 4},
+    const auto connection = sw::runtime::connect(sw::runtime::rendezvous_env());
+    sw::distributed::Pipe pipe(connection, model(), sw::balance{4, 4},
                                sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::never));
+    // The agreement every train_step ends with (C10dTransport::end_step: each rank tells the
+    // other it finished and waits for the same), timed alone over a transport of its own.
+    sw::runtime::C10dTransport agreement(
+        connection, [](int stage) { return stage; }, {},
+        sw::runtime::C10dOptions().prefix("distributed_cpu/agreement"));
     auto [x, t] = batch();
     auto params = pipe->parameters();
     for (char c; ::read(commands, &c, 1) == 1 && c != 'q';) {
@@ -80,7 +87,8 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
           pipe->train_step(x, t, mse, sw::schedule::one_f_one_b{});
         }
       };
-      const double us = median_us(step, kSteps, 2);
+      const double us =
+          c == 'e' ? median_us([&] { agreement.end_step(); }, 200, 20) : median_us(step, kSteps, 2);
       if (rank == 0) {
         [[maybe_unused]] auto n = ::write(answers, &us, sizeof us);
       }
@@ -172,6 +180,7 @@ int main(int argc, char** argv) {
     ofob_vs_sequential.push_back(us[0] / us[3]);
     vs_in_process.push_back(us[1] / us[2]);
   }
+  const double agreement_us = ask('e');
   for (int r = 0; r < 2; ++r) {
     const char q = 'q';
     [[maybe_unused]] auto n = ::write(commands[r][1], &q, 1);
@@ -186,9 +195,9 @@ int main(int argc, char** argv) {
   // Only configuration (d)'s GPipe step is read here: running the anchor's overhead
   // configuration and its 1F1B probe too took it past run_anchor's 600 s limit. That step
   // (about 50 s) sometimes hangs on Gloo: each launch gets 150 s, and two relaunches.
-  const auto anchor = bench::run_anchor("benchmarks/anchors/torch_pipelining.py",
-                                        "torch.distributed.pipelining",
-                                        "--configs d --no-one-f-one-b --timeout 150 --retries 2");
+  const auto anchor =
+      bench::run_anchor("benchmarks/anchors/torch_pipelining.py", "torch.distributed.pipelining",
+                        "--configs d --no-one-f-one-b --timeout 150 --retries 2");
   const bench::Summary torch_us{bench::value_or_nan(anchor, "torch_pipelining_min_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_max_us")};
@@ -205,6 +214,10 @@ int main(int argc, char** argv) {
   bench::print_figure("distributed 1F1B: speed-up vs sequential", ofob, "x");
   bench::print_figure("in-process time / distributed time (gpipe)", ratio, "x");
   const double gpipe_us = bench::summarize(times[2]).median;
+  // Every train_step ends with it; timed alone (median of 200) after the rounds.
+  std::printf("  %-52s %10.1f us  (%.3f%% of the gpipe step)\n",
+              "end-of-step agreement (end_step), per step", agreement_us,
+              100.0 * agreement_us / gpipe_us);
   conditions.print_end();
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "

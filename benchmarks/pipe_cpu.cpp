@@ -3,6 +3,7 @@
 // torch.distributed.pipelining (benchmarks/anchors/torch_pipelining.py, where PyTorch >= 2.4 is
 // found). Every figure is defined in docs/benchmarks.md.
 //   ./bazelw run -c opt //benchmarks:pipe_cpu [-- --blas=openblas] [-- --rounds N]
+//   [-- --overhead-only]  (sections (a)-(c) only)
 #include <stagewise/stagewise.hpp>
 
 #include <torch/torch.h>
@@ -46,7 +47,9 @@ void row(const std::string& what, double value, const std::string& unit) {
   std::printf("  %-52s %10.3f %s\n", what.c_str(), value, unit.c_str());
 }
 
-std::string fmt(double v) { return stagewise::bench::fixed3(v); }
+std::string fmt(double v) {
+  return stagewise::bench::fixed3(v);
+}
 
 // Two stages of [Linear(w,w), ReLU] x 2: the speed configurations.
 struct TwoStages {
@@ -242,6 +245,13 @@ int int_flag(int argc, char** argv, const char* name, int fallback) {
   return fallback;
 }
 
+bool has_flag(int argc, char** argv, const std::string& flag) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i] == flag) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -270,6 +280,10 @@ int main(int argc, char** argv) {
                       "us");
   bench::print_figure("(c) train_step wall time per action", c.step_wall_per_action, "us");
   bench::print_figure("(c) train_step CPU time per action", c.step_cpu_per_action, "us");
+  if (has_flag(argc, argv, "--overhead-only")) {  // (a)-(c) alone, e.g. before/after a change
+    conditions.print_end();
+    return 0;
+  }
 
   const SpeedResult b = speed("(d) speed", 512, 128, 8, rounds, /*calls=*/3);
   const SpeedResult large = speed("(e) large, 128-row micro-batches", 768, 1024, 8, rounds, 1,

@@ -1,5 +1,7 @@
+#include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
 
 #include "tests/support/errors.hpp"
@@ -10,6 +12,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
@@ -261,11 +264,15 @@ TEST_SUITE("c10d transport") {
               check_sample(t->recv({TransferKind::activation, 1, m}).value(), m);
             }
             if (step == 1) {  // last: a receive left posted must not meet a later message
-              expect(error_of([&] { t->expect({{TransferKind::activation, 0, 0}}); }) ==
+              expect(error_of([&] {
+                       t->expect({{TransferKind::activation, 0, 0}});
+                     }) ==
                          "stagewise::C10dTransport::expect: the activation of micro-batch 0 for "
                          "stage 0 has no sending stage (stage 0 receives no activation)",
                      "a key nobody sends is refused");
-              expect(error_of([&] { t->expect({keys[1], keys[1]}); }) ==
+              expect(error_of([&] {
+                       t->expect({keys[1], keys[1]});
+                     }) ==
                          "stagewise::C10dTransport::expect: the activation of micro-batch 1 for "
                          "stage 1 is expected twice in one step",
                      "expecting a key twice is refused");
@@ -317,6 +324,7 @@ TEST_SUITE("c10d transport") {
         60s);
     for (int k = 0; k < 2; ++k) {
       CAPTURE(k);
+      INFO(of(r, k).text);
       CHECK(of(r, k).status == 0);
       CHECK(contains(of(r, k).text, "waited more than 1000 ms for the "));
       CHECK(contains(of(r, k).text,
@@ -368,9 +376,80 @@ TEST_SUITE("c10d transport") {
         60s);
     for (int k = 0; k < 2; ++k) {
       CAPTURE(k);
+      INFO(of(r, k).text);
       CHECK(of(r, k).status == 0);
       CHECK(contains(of(r, k).text, "waited more than 1000 ms for the step's loss from rank "));
     }
+  }
+
+  // Rank 0 is a stranger that speaks Gloo but not stagewise: it sends crafted headers under the
+  // tag of the activation rank 1 waits for. Every bad word is refused before anything is
+  // allocated, with an error naming the sender, never a crash, a huge allocation or a hang.
+  TEST_CASE("a corrupt or foreign message header is refused, naming the peer") {
+    auto header = [](std::vector<std::int64_t> words) {
+      auto t = torch::zeros({rt::detail::kHeaderWords}, torch::kInt64);
+      for (std::size_t k = 0; k < words.size(); ++k) t[static_cast<std::int64_t>(k)] = words[k];
+      return t;
+    };
+    const std::int64_t magic = rt::detail::kHeaderMagic;
+    const std::int64_t f32 = static_cast<std::int64_t>(c10::ScalarType::Float);
+    const std::vector<torch::Tensor> crafted{
+        header({12345, 4, 0, 1}),                               // not a stagewise header
+        header({magic, 1 << 30, 1, 1}),                         // a length no header has
+        header({magic, 8, 1, 1, 1, 99, 1, 4}),                  // an unknown dtype
+        header({magic, 9, 1, 1, 1, f32, 2, 1 << 30, 1 << 30}),  // 4 EiB of floats
+        header({magic, 8, 1, 1, 1, f32, 1, -5}),                // a negative size
+        header({magic, 8, 2, 1, 1, f32, 1, 4}),                 // cut off
+    };
+    const auto n = static_cast<int>(crafted.size());
+    auto r = run_ranks(
+        2,
+        [&](int rank) {
+          auto c = connected();
+          const MessageKey k{TransferKind::activation, 1, 0};
+          if (rank == 0) {
+            for (const auto& h : crafted) {
+              std::vector<at::Tensor> one{h};
+              c.group.send(one, 1, rt::detail::message_tag(k, 0))->wait();
+            }
+            c.store->wait({"victim_done"});
+            return;
+          }
+          std::string out;
+          for (int i = 0; i < n; ++i) {
+            // A transport per header: the first failure ends a transport for good.
+            rt::C10dTransport t(c, rank_of_two, {},
+                                rt::C10dOptions().timeout(10s).prefix("bad" + std::to_string(i)));
+            t.begin_step(2, 1, 0);
+            out += error_of([&] { t.recv(k); }) + "\n";
+          }
+          c.store->set("victim_done", std::vector<std::uint8_t>{1});
+          stagewise::testing::report(out);
+        },
+        60s);
+    CHECK(of(r, 0).status == 0);
+    CHECK(of(r, 1).status == 0);
+    const std::string from =
+        "stagewise: a message header from rank 0 (for the activation of "
+        "micro-batch 0 for stage 1) is ";
+    const std::string tail =
+        "; every rank must run the same stagewise version and pipe, and no "
+        "other program may talk to this job's port\n";
+    CHECK(
+        of(r, 1).text ==
+        from +
+            "garbled (no stagewise header mark): every rank must run the same stagewise "
+            "version and pipe, and no other program may talk to this job's port\n" +
+            from +
+            "corrupt: it claims 1073741824 words (a header has 4 to 65536); every rank "
+            "must run the same stagewise version and pipe\n" +
+            from + "corrupt: tensor 0 has unknown dtype 99" + tail +
+            "stagewise: a message from rank 0 (for the activation of micro-batch 0 for stage 1) "
+            "would need 4.61169e+18 bytes, above the limit of 17179869184 bytes per message "
+            "(C10dOptions::max_message_bytes): raise the limit if a stage really sends that much, "
+            "else the sender is not a rank of this pipe\n" +
+            from + "corrupt: tensor 0 has size -5" + tail + from + "corrupt: tensor 1 is cut off" +
+            tail);
   }
 
   TEST_CASE("tags hold 256 stages, 4096 micro-batches and 31 skips; beyond is a clear error") {

@@ -18,6 +18,7 @@ struct NoBeginStep {
   }
   void abort(std::exception_ptr e) { mail.abort(e); }
   torch::Tensor share(const torch::Tensor& value, int, int) { return value; }
+  void end_step() {}
   std::exception_ptr error() const { return mail.error(); }
   stagewise::runtime::Traffic traffic() const { return {}; }
   stagewise::runtime::MailboxTransport mail;

@@ -5,8 +5,8 @@
 // bit, with exactly the messages the plan sends across, the step values shared from the right
 // rank, and a failure on one rank reaching both.
 
-#include "stagewise/pipe.hpp"
 #include "stagewise/pipe/detail/pipe_over.hpp"
+#include "stagewise/pipe.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
@@ -46,8 +46,9 @@ struct Wire {
   std::mutex mutex;
   std::condition_variable changed;
   std::array<std::int64_t, 2> begun{0, 0};
+  std::array<std::int64_t, 2> ended{0, 0};
   std::map<std::pair<std::int64_t, int>, torch::Tensor> values;  // (step, index) -> value
-  int failed = -1;  // the first rank that aborted
+  int failed = -1;                                               // the first rank that aborted
   std::string what;
 };
 
@@ -91,9 +92,7 @@ class WireEnd {
     std::unique_lock<std::mutex> lock(wire_->mutex);
     wire_->begun[static_cast<std::size_t>(rank_)] = step_;
     wire_->changed.notify_all();
-    wire_->changed.wait(lock, [&] {
-      return wire_->begun[0] >= step_ && wire_->begun[1] >= step_;
-    });
+    wire_->changed.wait(lock, [&] { return wire_->begun[0] >= step_ && wire_->begun[1] >= step_; });
   }
   torch::Tensor share(const torch::Tensor& value, int from, int index) {
     shares_.push_back({from, index});
@@ -110,6 +109,19 @@ class WireEnd {
     lock.unlock();
     throw_if_other_failed();
     return {};
+  }
+  // Returns once both ranks finished the step; throws when the other one failed instead.
+  void end_step() {
+    {
+      std::unique_lock<std::mutex> lock(wire_->mutex);
+      wire_->ended[static_cast<std::size_t>(rank_)] = step_;
+      wire_->changed.notify_all();
+      wire_->changed.wait(lock, [&] {
+        return wire_->failed >= 0 || (wire_->ended[0] >= step_ && wire_->ended[1] >= step_);
+      });
+      if (wire_->failed < 0) return;
+    }
+    throw_if_other_failed();
   }
   std::exception_ptr error() const { return wire_->inbox[static_cast<std::size_t>(rank_)].error(); }
   sw::runtime::Traffic traffic() const { return traffic_; }
@@ -240,8 +252,12 @@ TEST_SUITE("one pipe over any transport") {
     };
     std::array<torch::Tensor, 2> losses;
     const auto errors = both(
-        [&] { return rank0->train_step(torch::randn({4, 6}), torch::Tensor(), bad_loss); },
-        [&] { return rank1->train_step(torch::Tensor(), torch::randn({4, 3}), bad_loss); },
+        [&] {
+          return rank0->train_step(torch::randn({4, 6}), torch::Tensor(), bad_loss);
+        },
+        [&] {
+          return rank1->train_step(torch::Tensor(), torch::randn({4, 3}), bad_loss);
+        },
         losses);
     // Rank 1's loss fails in micro-batch 0's forward; rank 0, waiting for a gradient, fails with
     // it: the pipe rethrows the step's first error (the one the wire gave rank 0's mailbox).

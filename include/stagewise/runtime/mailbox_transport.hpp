@@ -29,7 +29,9 @@ class MailboxTransport {
  public:
   /// A transport for no step yet: call begin_step first.
   MailboxTransport() = default;
-  MailboxTransport(int stages, int micro_batches, int skips) { reset(stages, micro_batches, skips); }
+  MailboxTransport(int stages, int micro_batches, int skips) {
+    reset(stages, micro_batches, skips);
+  }
 
   /// Starts a step of `plan` with `routes.size()` skips: every slot empty, no abort, no error.
   /// Called before the step's workers run (not while a step is under way).
@@ -40,6 +42,9 @@ class MailboxTransport {
   /// Every stage is in this process: `value` is the value (`from` and `index` name it for
   /// transports between processes).
   torch::Tensor share(const torch::Tensor& value, int /*from*/, int /*index*/) { return value; }
+
+  /// Every stage is in this process, and the step's workers have finished: nothing to wait for.
+  void end_step() {}
 
   /// Nothing crosses processes.
   Traffic traffic() const { return {}; }

@@ -53,19 +53,22 @@ struct Traffic {
 ///   `from` holds (index 0: the number of micro-batches, from the first stage's; 1: the loss,
 ///   from the last stage's); undefined once this process aborted. Every process makes the same
 ///   calls in the same order; in one process it returns `value`;
+/// - `end_step()`, after the loss: returns once every process finished the step's work, and
+///   throws the failure of one that did not, so that no process returns from a step (and runs
+///   its optimizer) that failed elsewhere; in one process it returns at once;
 /// - `error()`: the step's first error given to `abort` (null if none), read after the step;
 /// - `traffic()`: what crossed processes so far.
 /// A type missing one of these is refused at compile time, naming the expression.
 ///   static_assert(stagewise::runtime::pipe_transport<stagewise::runtime::MailboxTransport>);
 template <class T>
-concept pipe_transport =
-    transport<T> && requires(T& t, const T& ct, const schedule::Plan& plan,
-                             const std::vector<schedule::SkipRoute>& routes,
-                             const torch::Tensor& value, int from, int index) {
-      t.begin_step(plan, routes);
-      { t.share(value, from, index) } -> std::same_as<torch::Tensor>;
-      { ct.error() } -> std::same_as<std::exception_ptr>;
-      { ct.traffic() } -> std::same_as<Traffic>;
-    };
+concept pipe_transport = transport<T> && requires(T& t, const T& ct, const schedule::Plan& plan,
+                                                  const std::vector<schedule::SkipRoute>& routes,
+                                                  const torch::Tensor& value, int from, int index) {
+  t.begin_step(plan, routes);
+  { t.share(value, from, index) } -> std::same_as<torch::Tensor>;
+  t.end_step();
+  { ct.error() } -> std::same_as<std::exception_ptr>;
+  { ct.traffic() } -> std::same_as<Traffic>;
+};
 
 }  // namespace stagewise::runtime

@@ -1,9 +1,9 @@
 #pragma once
 
 #include "stagewise/schedule/comms.hpp"
+#include "stagewise/skip/detail/type_list.hpp"
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/tracker.hpp"
-#include "stagewise/skip/detail/type_list.hpp"
 #include "stagewise/skip/verify.hpp"
 
 #include <c10/util/Exception.h>

@@ -153,7 +153,7 @@ class PipeOver : public PlacedStages {
   PipeOptions options_;
   std::shared_ptr<const SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
-  std::unique_ptr<Transport> transport_;  // last: stops before the stages go
+  std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
  private:
   template <class Schedule>
@@ -178,7 +178,8 @@ class PipeOver : public PlacedStages {
     const torch::Tensor count = transport_->share(
         first ? torch::tensor(static_cast<std::int64_t>(step.inputs.size())) : torch::Tensor(),
         placement.front(), /*index=*/0);
-    TORCH_CHECK(count.defined(), where, ": this process stopped before the step began (it aborted "
+    TORCH_CHECK(count.defined(), where,
+                ": this process stopped before the step began (it aborted "
                 "earlier); build a new pipe");
     const int m = static_cast<int>(count.item<std::int64_t>());
     TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m, where,
@@ -223,10 +224,18 @@ class PipeOver : public PlacedStages {
     }
     if (auto e = transport_->error()) std::rethrow_exception(e);
     fence.leave();  // the loss is read on this thread next
-    // The last stage's process has the loss; every process returns it.
-    loss = transport_->share(loss, placement.back(), /*index=*/1);
-    TORCH_CHECK(loss.defined(), where, ": this process stopped before the step's loss arrived (it "
-                "aborted); build a new pipe");
+    try {
+      // The last stage's process has the loss; every process returns it, and only once every
+      // process finished the step (a failure anywhere fails the step everywhere).
+      loss = transport_->share(loss, placement.back(), /*index=*/1);
+      TORCH_CHECK(loss.defined(), where,
+                  ": this process stopped before the step's loss arrived "
+                  "(it aborted); build a new pipe");
+      transport_->end_step();
+    } catch (...) {
+      transport_->abort(std::current_exception());  // the others stop too
+      throw;
+    }
     return loss;
   }
 };

@@ -9,7 +9,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #ifndef USE_C10D_GLOO
-#error "stagewise's distributed headers need LibTorch's Gloo: compile with -DUSE_C10D_GLOO and Gloo's headers (Debian: libgloo-dev); Bazel: depend on //:distributed; CMake: link stagewise::distributed"
+#error \
+    "stagewise's distributed headers need LibTorch's Gloo: compile with -DUSE_C10D_GLOO and Gloo's headers (Debian: libgloo-dev); Bazel: depend on //:distributed; CMake: link stagewise::distributed"
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -78,6 +79,10 @@ struct Connection {
   RendezvousEnv env;
   c10::intrusive_ptr<c10d::Store> store;
   PointToPoint group;
+  /// Whether this process serves `store` (rank 0 under `connect`): after a failure it then stays
+  /// until the other ranks have read the cause from the store (bounded), so that they report it
+  /// rather than the store's loss.
+  bool serves_store = false;
 };
 
 /// Which c10d process group `connect` builds: Gloo (CPU tensors; every LibTorch) or NCCL (CUDA
@@ -143,7 +148,7 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
     nccl_options->timeout = options.timeout;
     auto group =
         c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_options);
-    return Connection{env, store, PointToPoint(group)};
+    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0};
 #else
     TORCH_CHECK(false, "stagewise: this LibTorch has no NCCL (compiled without USE_C10D_NCCL); ",
                 "use Backend::gloo, or build against a CUDA LibTorch with -DUSE_C10D_NCCL");
@@ -161,7 +166,7 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
   try {
     auto group =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
-    return Connection{env, store, PointToPoint(group)};
+    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0};
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stagewise: rank ", env.rank, " of ", env.world_size,
                 " could not connect to the other ranks over Gloo (rendezvous at ", where,

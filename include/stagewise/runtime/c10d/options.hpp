@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -33,17 +34,27 @@ struct C10dOptions {
     return *this;
   }
 
+  /// The most bytes one message from another rank may carry (default 16 GiB): a header that
+  /// claims more is refused before anything is allocated, naming the sender (a corrupt or foreign
+  /// message, e.g. another job on the same port).
+  C10dOptions& max_message_bytes(std::int64_t bytes) {
+    max_message_bytes_ = bytes;
+    return *this;
+  }
+
   /// What the setters above set, read back (as `PipeOptions`' getters are).
   std::chrono::milliseconds timeout() const { return timeout_; }
   std::chrono::milliseconds poll() const { return poll_; }
   const torch::Device& device() const { return device_; }
   const std::string& prefix() const { return prefix_; }
+  std::int64_t max_message_bytes() const { return max_message_bytes_; }
 
  private:
   std::chrono::milliseconds timeout_{30000};
   std::chrono::milliseconds poll_{100};
   torch::Device device_{torch::kCPU};
   std::string prefix_{"stagewise"};
+  std::int64_t max_message_bytes_ = std::int64_t{16} << 30;
 };
 
 }  // namespace stagewise::runtime

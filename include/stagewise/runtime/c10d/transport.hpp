@@ -1,10 +1,11 @@
 #pragma once
 
-#include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/detail/receiver.hpp"
+#include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
-#include "stagewise/runtime/c10d/detail/receiver.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/stream.hpp"
@@ -67,8 +68,15 @@ class C10dTransport : private detail::C10dReceiver {
   C10dTransport(const C10dTransport&) = delete;
   C10dTransport& operator=(const C10dTransport&) = delete;
 
-  /// Waits (at most `timeout`) for this rank's sends to be received, then stops.
+  /// Waits (at most `timeout`) for this rank's sends to be received, then stops. After a failure,
+  /// the rank that serves the store first waits (boundedly) for the others to read its cause.
   ~C10dTransport() {
+    bool failed = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failed = failure_ || aborted_here_;
+    }
+    if (failed) linger();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       idle_.wait_for(lock, options_.timeout(), [&] { return sends_.empty() && !sending_; });
@@ -140,8 +148,9 @@ class C10dTransport : private detail::C10dReceiver {
       Ahead a{k, src, tag_of(k), torch::empty({detail::kHeaderWords}, torch::kInt64), 0};
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        TORCH_CHECK(arrivals_.find(k) == arrivals_.end(), "stagewise::C10dTransport::expect: ",
-                    detail::describe(k), " is expected twice in one step");
+        TORCH_CHECK(arrivals_.find(k) == arrivals_.end(),
+                    "stagewise::C10dTransport::expect: ", detail::describe(k),
+                    " is expected twice in one step");
       }
       auto id = post(a.header, src, a.tag, k, std::chrono::steady_clock::time_point::max());
       if (!id) return;  // aborted here
@@ -186,8 +195,8 @@ class C10dTransport : private detail::C10dReceiver {
     const MessageKey k = detail::step_value_key(index);
     const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
     if (from == rank()) {
-      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", rank(),
-                  " holds ", detail::describe(k), " but passed an undefined tensor");
+      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", rank(), " holds ",
+                  detail::describe(k), " but passed an undefined tensor");
       for (int r = 0; r < group_.size(); ++r) {
         if (r != rank()) send_to(r, tag, k, Message{{value.detach()}, true}, /*counted=*/false);
       }
@@ -195,8 +204,8 @@ class C10dTransport : private detail::C10dReceiver {
     }
     auto m = receive_from(from, tag, k, /*counted=*/false);
     if (!m) return {};
-    TORCH_CHECK(m->tensors.size() == 1 && m->tensors[0].defined(), "stagewise: ",
-                detail::describe(k), " from rank ", from,
+    TORCH_CHECK(m->tensors.size() == 1 && m->tensors[0].defined(),
+                "stagewise: ", detail::describe(k), " from rank ", from,
                 " is garbled; every rank must run the same program");
     return copy_to(m->tensors[0], torch::kCPU);
   }
@@ -207,18 +216,32 @@ class C10dTransport : private detail::C10dReceiver {
     return local_ ? local_->error() : nullptr;
   }
 
-  /// Stops this rank's communication after a failure here: tells every other rank through the
-  /// store (they fail with `e`'s message, naming this rank), wakes this process's receivers
-  /// (they return nothing) and cancels pending transfers.
-  void abort(std::exception_ptr e) {
-    std::string what = "unknown error";
-    try {
-      if (e) std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      what = detail::what_of(x);
-    } catch (...) {
+  /// Every rank tells every other that it finished the step's work (a header-only message under
+  /// the shared values' tags, uncounted in traffic()) and waits to hear the same from each:
+  /// returns once every rank finished; when one failed, its word never comes and its failure
+  /// arrives as for recv (c10::Error naming the rank, its error and its cell). Every rank calls
+  /// it after the step's loss.
+  void end_step() {
+    const MessageKey k = detail::step_value_key(detail::kStepDoneIndex);
+    const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
+    for (int r = 0; r < group_.size(); ++r) {
+      if (r != rank()) send_to(r, tag, k, Message{{}, true}, /*counted=*/false);
     }
-    publish("rank " + std::to_string(rank()) + " failed: " + what);
+    for (int r = 0; r < group_.size(); ++r) {
+      if (r == rank()) continue;
+      TORCH_CHECK(receive_from(r, tag, k, /*counted=*/false).has_value(),
+                  "stagewise::C10dTransport::end_step: rank ", rank(),
+                  " aborted before the step ended");
+    }
+  }
+
+  /// Stops this rank's communication after a failure here: tells every other rank through the
+  /// store (they fail with `e`'s message and, whatever its type, the cell it came from, naming
+  /// this rank), wakes this process's receivers (they return nothing) and cancels pending
+  /// transfers. On the rank that serves the store it then waits, boundedly, until the others
+  /// have read the cause.
+  void abort(std::exception_ptr e) {
+    publish("rank " + std::to_string(rank()) + " failed: " + failure_text(e));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       aborted_here_ = true;
@@ -227,6 +250,8 @@ class C10dTransport : private detail::C10dReceiver {
     }
     wake_.notify_all();
     abort_local(e);
+    acknowledge(rank());
+    linger();
   }
 
  private:
@@ -234,6 +259,26 @@ class C10dTransport : private detail::C10dReceiver {
   // cycle through kValueTagCount, which every rank steps through in the same order.
   static constexpr int kValueTags = 1 << 29;
   static constexpr std::int64_t kValueTagCount = 1024;
+
+  // An error's text and, for an exception that does not carry it in its text (anything but
+  // c10::Error), the pipeline cell it came from (stagewise::error_context).
+  static std::string failure_text(const std::exception_ptr& e) {
+    std::string what = "unknown error";
+    bool has_context = false;
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const c10::Error& x) {
+      what = detail::what_of(x);
+      has_context = true;
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+    }
+    if (!has_context) {
+      if (auto where = ::stagewise::error_context(e)) what += " (" + where->text() + ")";
+    }
+    return what;
+  }
 
   // Sends `m` to rank `dst` under `tag`: a header, then one send per non-empty tensor. `counted`:
   // in traffic() (the step's messages are; the shared values are not).
@@ -253,10 +298,10 @@ class C10dTransport : private detail::C10dReceiver {
     // worker: its current stream is the stage's compute stream).
     out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device()));
     if (header.numel() > detail::kHeaderWords) {
-      out.push_back(copy_to(
-          header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
-              .contiguous(),
-          options_.device()));
+      out.push_back(
+          copy_to(header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
+                      .contiguous(),
+                  options_.device()));
     }
     std::int64_t bytes = 0;
     for (const auto& t : m.tensors) {
@@ -290,8 +335,9 @@ class C10dTransport : private detail::C10dReceiver {
 
   // Receives the message `k` from rank `src` under `tag`: its header, then the rest.
   std::optional<Message> receive_from(int src, int tag, const MessageKey& k, bool counted = true) {
-    auto fixed = torch::empty({detail::kHeaderWords},
-                              torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
+    auto fixed =
+        torch::empty({detail::kHeaderWords},
+                     torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
     if (!receive(fixed, src, tag, k)) return std::nullopt;
     return receive_rest(fixed, src, tag, k, counted);
   }
@@ -321,16 +367,7 @@ class C10dTransport : private detail::C10dReceiver {
     return k.stage;
   }
 
-  // 29 bits: step % 4, kind, receiving stage, micro-batch, skip + 1.
-  int tag_of(const MessageKey& k) const {
-    TORCH_CHECK(k.stage >= 0 && k.stage < 256 && k.micro >= 0 && k.micro < 4096 && k.skip >= -1 &&
-                    k.skip < 31,
-                "stagewise::C10dTransport: ", detail::describe(k),
-                " is beyond what message tags hold (256 stages, 4096 micro-batches, 31 skips); "
-                "use fewer chunks or stages");
-    const int step_kind = static_cast<int>(step_.load() % 4) * 4 + schedule::index_of(k.kind);
-    return (((step_kind * 256 + k.stage) * 4096 + k.micro) * 32) + (k.skip + 1);
-  }
+  int tag_of(const MessageKey& k) const { return detail::message_tag(k, step_.load()); }
 
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;

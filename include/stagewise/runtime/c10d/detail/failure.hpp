@@ -38,7 +38,9 @@ class C10dFailures {
       : group_(c.group),
         store_(c.store),
         options_(std::move(options)),
-        abort_key_(options_.prefix() + "/abort") {}
+        abort_key_(options_.prefix() + "/abort"),
+        seen_key_(options_.prefix() + "/abort_seen"),
+        serves_store_(c.serves_store) {}
   ~C10dFailures() = default;
 
   C10dFailures(const C10dFailures&) = delete;
@@ -93,8 +95,8 @@ class C10dFailures {
     }
     // A rank that failed published why before it exited: that is the cause to report. The
     // closed connection can be seen here before the store answers with it, so look a few times.
-    const auto until = std::chrono::steady_clock::now() + std::max(3 * options_.poll(),
-                                                                   std::chrono::milliseconds(300));
+    const auto until = std::chrono::steady_clock::now() +
+                       std::max(3 * options_.poll(), std::chrono::milliseconds(300));
     while (true) {
       if (auto published = read_published()) {
         fail(*published);
@@ -107,6 +109,7 @@ class C10dFailures {
                              "while rank " + std::to_string(rank()) + " exchanged " +
                              detail::describe(k) + " with it; it crashed, was killed, or exited " +
                              "early (see its output). Transport error: " + detail::what_of(e);
+    acknowledge(peer);  // it will never read the cause
     publish(what);
     fail(what);
     rethrow_failure();
@@ -116,10 +119,12 @@ class C10dFailures {
   // Records a failure seen or learnt here and cancels every pending transfer.
   void fail(const std::string& what) {
     std::exception_ptr failure;
+    bool first = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (aborted_here_) return;
       if (!failure_) {
+        first = true;
         try {
           TORCH_CHECK(false, "stagewise: ", what, ". Rank ", rank(), " stops too.");
         } catch (...) {
@@ -132,6 +137,7 @@ class C10dFailures {
     }
     wake_.notify_all();
     abort_local(failure);
+    if (first) acknowledge(rank());
   }
 
   // Tells the other ranks (first writer wins); the store may be gone already.
@@ -140,6 +146,41 @@ class C10dFailures {
       const std::vector<std::uint8_t> value(what.begin(), what.end());
       store_->compareSet(abort_key_, {}, value);
     } catch (...) {
+    }
+  }
+
+  // Tells the rank serving the store that rank `who` (this one, or a peer found dead) knows the
+  // job failed, or never will (see linger).
+  void acknowledge(int who) {
+    try {
+      store_->set(seen_key_ + "/" + std::to_string(who), std::vector<std::uint8_t>{1});
+    } catch (...) {
+    }
+  }
+
+  // On the rank that serves the store, after a failure (its own, or one it learnt): waits until
+  // every rank has acknowledged it (or was found dead by a rank that did), at most max(10 polls,
+  // 1 s) and never beyond the timeout, so that no rank is left to report a lost store instead of
+  // the cause. Elsewhere, and a second time, it returns at once.
+  void linger() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!serves_store_ || lingered_) return;
+      lingered_ = true;
+    }
+    std::vector<std::string> keys;
+    for (int r = 0; r < group_.size(); ++r) keys.push_back(seen_key_ + "/" + std::to_string(r));
+    const auto most = std::min<std::chrono::milliseconds>(
+        options_.timeout(),
+        std::max<std::chrono::milliseconds>(10 * options_.poll(), std::chrono::seconds(1)));
+    const auto until = std::chrono::steady_clock::now() + most;
+    while (std::chrono::steady_clock::now() < until) {
+      try {
+        if (store_->check(keys)) return;
+      } catch (...) {
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
 
@@ -172,8 +213,9 @@ class C10dFailures {
       for (const auto& [id, w] : waiting_) {
         if (now > w.deadline) {
           stuck = "rank " + std::to_string(rank()) + " waited more than " +
-                  std::to_string(options_.timeout().count()) + " ms for " + detail::describe(w.key) +
-                  " from rank " + std::to_string(w.peer) + "; that rank is stuck or slower than " +
+                  std::to_string(options_.timeout().count()) + " ms for " +
+                  detail::describe(w.key) + " from rank " + std::to_string(w.peer) +
+                  "; that rank is stuck or slower than " +
                   "the timeout (raise C10dOptions::timeout if its stage is just slow)";
           break;
         }
@@ -232,6 +274,7 @@ class C10dFailures {
         if (auto published = read_published()) {
           fail(*published);
         } else {
+          acknowledge(p.peer);  // it will never read the cause
           publish(what);
           fail(what);
         }
@@ -245,6 +288,9 @@ class C10dFailures {
   c10::intrusive_ptr<c10d::Store> store_;
   C10dOptions options_;
   std::string abort_key_;
+  std::string seen_key_;  // <seen_key_>/<rank>: that rank learnt of a failure (acknowledge, linger)
+  bool serves_store_ = false;
+  bool lingered_ = false;
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
   mutable std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_

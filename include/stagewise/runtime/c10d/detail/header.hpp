@@ -7,6 +7,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace stagewise::runtime::detail {
@@ -32,31 +35,109 @@ inline std::vector<std::int64_t> encode_header(const Message& m) {
   return h;
 }
 
-// Words still to receive after the fixed-size part, from its second word.
-inline std::int64_t header_rest(const torch::Tensor& fixed) {
+// What a header may describe at most: a sender that is not a rank of this pipe (another job on
+// the same port, a truncated frame) is refused before anything is allocated.
+inline constexpr std::int64_t kMaxHeaderWords = 1 << 16;
+inline constexpr std::int64_t kMaxTensors = 4096;
+inline constexpr std::int64_t kMaxDims = 64;
+
+// Words still to receive after the fixed-size part, from its second word; `from` names the sender
+// in errors ("rank 1, sending the activation of micro-batch 0 for stage 1").
+inline std::int64_t header_rest(const torch::Tensor& fixed, const std::string& from) {
   const auto* w = fixed.data_ptr<std::int64_t>();
-  TORCH_CHECK(w[0] == kHeaderMagic,
-              "stagewise: a message header from another rank is garbled; every rank must run the "
-              "same stagewise version and pipe");
+  TORCH_CHECK(w[0] == kHeaderMagic, "stagewise: a message header from ", from,
+              " is garbled (no stagewise header mark): every rank must run the same stagewise "
+              "version and pipe, and no other program may talk to this job's port");
+  TORCH_CHECK(w[1] >= 4 && w[1] <= kMaxHeaderWords, "stagewise: a message header from ", from,
+              " is corrupt: it claims ", w[1], " words (a header has 4 to ", kMaxHeaderWords,
+              "); every rank must run the same stagewise version and pipe");
   return w[1] > kHeaderWords ? w[1] - kHeaderWords : 0;
 }
 
-// The message with empty tensors of the right dtypes and shapes (undefined where undefined).
-inline Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& device) {
+// Whether a sender may name this dtype: the ones a stage can send.
+inline bool sendable_dtype(std::int64_t d) {
+  using c10::ScalarType;
+  for (auto t : {ScalarType::Byte, ScalarType::Char, ScalarType::Short, ScalarType::Int,
+                 ScalarType::Long, ScalarType::Half, ScalarType::Float, ScalarType::Double,
+                 ScalarType::ComplexHalf, ScalarType::ComplexFloat, ScalarType::ComplexDouble,
+                 ScalarType::Bool, ScalarType::BFloat16}) {
+    if (d == static_cast<std::int64_t>(t)) return true;
+  }
+  return false;
+}
+
+// The message with empty tensors of the right dtypes and shapes (undefined where undefined). Every
+// word is checked before anything is allocated: the tensor count, each defined flag, dtype,
+// dimension count and size, the header's length, and the message's bytes against `max_bytes`;
+// a bad one is an error naming the sender (`from`).
+inline Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& device,
+                             std::int64_t max_bytes, const std::string& from) {
+  const auto corrupt = [&](const std::string& why) {
+    TORCH_CHECK(false, "stagewise: a message header from ", from, " is corrupt: ", why,
+                "; every rank must run the same stagewise version and pipe, and no other "
+                "program may talk to this job's port");
+  };
+  // The fixed part travels whole: words past the header's own length are padding.
+  if (h.size() < 4 || h[1] < 4 || h[1] > static_cast<std::int64_t>(h.size())) {
+    corrupt("its length does not match its words");
+  }
+  const std::int64_t n = h[1];
+  if (h[2] < 0 || h[2] > kMaxTensors) {
+    corrupt("it claims " + std::to_string(h[2]) + " tensors (at most " +
+            std::to_string(kMaxTensors) + ")");
+  }
+  if (h[3] != 0 && h[3] != 1) corrupt("its tuple flag is " + std::to_string(h[3]));
+  struct Shape {
+    c10::ScalarType dtype;
+    std::vector<std::int64_t> sizes;
+  };
+  std::vector<std::optional<Shape>> shapes;
+  std::int64_t at = 4;
+  double bytes = 0;  // in double: a corrupt size cannot overflow it past the check
+  for (std::int64_t k = 0; k < h[2]; ++k) {
+    const std::string which = "tensor " + std::to_string(k);
+    if (at >= n) corrupt(which + " is cut off");
+    const auto defined = h[static_cast<std::size_t>(at++)];
+    if (defined != 0 && defined != 1)
+      corrupt(which + "'s defined flag is " + std::to_string(defined));
+    if (defined == 0) {
+      shapes.emplace_back();
+      continue;
+    }
+    if (at + 2 > n) corrupt(which + " is cut off");
+    const auto dtype = h[static_cast<std::size_t>(at++)];
+    if (!sendable_dtype(dtype)) corrupt(which + " has unknown dtype " + std::to_string(dtype));
+    const auto ndim = h[static_cast<std::size_t>(at++)];
+    if (ndim < 0 || ndim > kMaxDims) {
+      corrupt(which + " claims " + std::to_string(ndim) + " dimensions (at most " +
+              std::to_string(kMaxDims) + ")");
+    }
+    if (at + ndim > n) corrupt(which + " is cut off");
+    Shape shape{static_cast<c10::ScalarType>(dtype), {}};
+    double elements = 1;
+    for (std::int64_t d = 0; d < ndim; ++d) {
+      const auto size = h[static_cast<std::size_t>(at++)];
+      if (size < 0) corrupt(which + " has size " + std::to_string(size));
+      shape.sizes.push_back(size);
+      elements *= static_cast<double>(size);
+    }
+    bytes += elements * static_cast<double>(c10::elementSize(shape.dtype));
+    shapes.emplace_back(std::move(shape));
+  }
+  if (at != n) corrupt("it has " + std::to_string(n - at) + " words beyond its tensors");
+  TORCH_CHECK(bytes <= static_cast<double>(max_bytes), "stagewise: a message from ", from,
+              " would need ", bytes, " bytes, above the limit of ", max_bytes,
+              " bytes per message (C10dOptions::max_message_bytes): raise the limit if a stage "
+              "really sends that much, else the sender is not a rank of this pipe");
   Message m;
   m.atomic = h[3] != 0;
-  std::size_t at = 4;
-  for (std::int64_t k = 0; k < h[2]; ++k) {
-    if (h[at++] == 0) {
+  for (const auto& shape : shapes) {
+    if (!shape) {
       m.tensors.emplace_back();
       continue;
     }
-    const auto dtype = static_cast<c10::ScalarType>(h[at++]);
-    const auto ndim = static_cast<std::size_t>(h[at++]);
-    std::vector<std::int64_t> sizes(h.begin() + static_cast<std::ptrdiff_t>(at),
-                                    h.begin() + static_cast<std::ptrdiff_t>(at + ndim));
-    at += ndim;
-    m.tensors.push_back(torch::empty(sizes, torch::TensorOptions().dtype(dtype).device(device)));
+    m.tensors.push_back(
+        torch::empty(shape->sizes, torch::TensorOptions().dtype(shape->dtype).device(device)));
   }
   return m;
 }

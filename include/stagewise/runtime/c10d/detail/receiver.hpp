@@ -1,8 +1,8 @@
 #pragma once
 
 #include "stagewise/runtime/c10d/detail/failure.hpp"
-#include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/stream.hpp"
@@ -54,10 +54,11 @@ class C10dReceiver : protected C10dFailures {
   // tensors; counted in the traffic unless `counted` is false. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
+    const std::string from = "rank " + std::to_string(src) + " (for " + detail::describe(k) + ")";
     std::vector<std::int64_t> words;
     {
       auto cpu = copy_to(fixed, torch::kCPU);
-      const auto rest = detail::header_rest(cpu);
+      const auto rest = detail::header_rest(cpu, from);
       words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
       if (rest > 0) {
         auto more = torch::empty({rest}, fixed.options());
@@ -66,7 +67,7 @@ class C10dReceiver : protected C10dFailures {
         words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
       }
     }
-    Message m = detail::decode_header(words, options_.device());
+    Message m = detail::decode_header(words, options_.device(), options_.max_message_bytes(), from);
     std::int64_t bytes = 0;
     for (auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
