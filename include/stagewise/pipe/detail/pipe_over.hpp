@@ -113,7 +113,10 @@ class PipeOver : public PlacedStages {
  protected:
   /// `who` opens every error ("stagewise::Pipe").
   PipeOver(std::string who, PipeOptions options)
-      : PlacedStages(who), who_(std::move(who)), options_(std::move(options)) {}
+      : PlacedStages(who),
+        who_(std::move(who)),
+        where_(who_ + "::train_step"),
+        options_(std::move(options)) {}
 
   /// Verifies the skips of `specs`' modules (every problem in one message), places the stages for
   /// which `local(j)` holds on their devices and keeps them (registered as "stage<j>"); the others
@@ -150,6 +153,7 @@ class PipeOver : public PlacedStages {
   virtual void begin_micro_batches(int /*micro_batches*/) {}
 
   std::string who_;
+  std::string where_;  // "<who>::train_step", opening train_step's errors
   PipeOptions options_;
   std::shared_ptr<const SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
@@ -160,7 +164,7 @@ class PipeOver : public PlacedStages {
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,
                          schedule::Timeline* timeline) {
-    const std::string where = who_ + "::train_step";
+    const std::string& where = where_;
     const int n = static_cast<int>(stages_.size());
     TORCH_CHECK(n > 0, where, ": the pipe has no stages");
     TORCH_CHECK(torch::GradMode::is_enabled(), where,

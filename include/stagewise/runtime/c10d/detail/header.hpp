@@ -7,9 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace stagewise::runtime::detail {
@@ -41,14 +39,15 @@ inline constexpr std::int64_t kMaxHeaderWords = 1 << 16;
 inline constexpr std::int64_t kMaxTensors = 4096;
 inline constexpr std::int64_t kMaxDims = 64;
 
-// Words still to receive after the fixed-size part, from its second word; `from` names the sender
-// in errors ("rank 1, sending the activation of micro-batch 0 for stage 1").
-inline std::int64_t header_rest(const torch::Tensor& fixed, const std::string& from) {
+// Words still to receive after the fixed-size part, from its second word; `from()` names the
+// sender in errors ("rank 1 (for the activation of micro-batch 0 for stage 1)"), made only then.
+template <class From>
+std::int64_t header_rest(const torch::Tensor& fixed, const From& from) {
   const auto* w = fixed.data_ptr<std::int64_t>();
-  TORCH_CHECK(w[0] == kHeaderMagic, "stagewise: a message header from ", from,
+  TORCH_CHECK(w[0] == kHeaderMagic, "stagewise: a message header from ", from(),
               " is garbled (no stagewise header mark): every rank must run the same stagewise "
               "version and pipe, and no other program may talk to this job's port");
-  TORCH_CHECK(w[1] >= 4 && w[1] <= kMaxHeaderWords, "stagewise: a message header from ", from,
+  TORCH_CHECK(w[1] >= 4 && w[1] <= kMaxHeaderWords, "stagewise: a message header from ", from(),
               " is corrupt: it claims ", w[1], " words (a header has 4 to ", kMaxHeaderWords,
               "); every rank must run the same stagewise version and pipe");
   return w[1] > kHeaderWords ? w[1] - kHeaderWords : 0;
@@ -67,13 +66,14 @@ inline bool sendable_dtype(std::int64_t d) {
 }
 
 // The message with empty tensors of the right dtypes and shapes (undefined where undefined). Every
-// word is checked before anything is allocated: the tensor count, each defined flag, dtype,
-// dimension count and size, the header's length, and the message's bytes against `max_bytes`;
-// a bad one is an error naming the sender (`from`).
-inline Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& device,
-                             std::int64_t max_bytes, const std::string& from) {
+// word is checked before anything is allocated (a first pass): the tensor count, each defined
+// flag, dtype, dimension count and size, the header's length, and the message's bytes against
+// `max_bytes`; a bad one is an error naming the sender (`from()`, made only then).
+template <class From>
+Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& device,
+                      std::int64_t max_bytes, const From& from) {
   const auto corrupt = [&](const std::string& why) {
-    TORCH_CHECK(false, "stagewise: a message header from ", from, " is corrupt: ", why,
+    TORCH_CHECK(false, "stagewise: a message header from ", from(), " is corrupt: ", why,
                 "; every rank must run the same stagewise version and pipe, and no other "
                 "program may talk to this job's port");
   };
@@ -87,57 +87,53 @@ inline Message decode_header(const std::vector<std::int64_t>& h, const torch::De
             std::to_string(kMaxTensors) + ")");
   }
   if (h[3] != 0 && h[3] != 1) corrupt("its tuple flag is " + std::to_string(h[3]));
-  struct Shape {
-    c10::ScalarType dtype;
-    std::vector<std::int64_t> sizes;
-  };
-  std::vector<std::optional<Shape>> shapes;
+  const auto word = [&](std::int64_t at) { return h[static_cast<std::size_t>(at)]; };
   std::int64_t at = 4;
   double bytes = 0;  // in double: a corrupt size cannot overflow it past the check
   for (std::int64_t k = 0; k < h[2]; ++k) {
-    const std::string which = "tensor " + std::to_string(k);
-    if (at >= n) corrupt(which + " is cut off");
-    const auto defined = h[static_cast<std::size_t>(at++)];
-    if (defined != 0 && defined != 1)
-      corrupt(which + "'s defined flag is " + std::to_string(defined));
-    if (defined == 0) {
-      shapes.emplace_back();
-      continue;
+    const auto which = [k] { return "tensor " + std::to_string(k); };
+    if (at >= n) corrupt(which() + " is cut off");
+    const auto defined = word(at++);
+    if (defined != 0 && defined != 1) {
+      corrupt(which() + "'s defined flag is " + std::to_string(defined));
     }
-    if (at + 2 > n) corrupt(which + " is cut off");
-    const auto dtype = h[static_cast<std::size_t>(at++)];
-    if (!sendable_dtype(dtype)) corrupt(which + " has unknown dtype " + std::to_string(dtype));
-    const auto ndim = h[static_cast<std::size_t>(at++)];
+    if (defined == 0) continue;
+    if (at + 2 > n) corrupt(which() + " is cut off");
+    const auto dtype = word(at++);
+    if (!sendable_dtype(dtype)) corrupt(which() + " has unknown dtype " + std::to_string(dtype));
+    const auto ndim = word(at++);
     if (ndim < 0 || ndim > kMaxDims) {
-      corrupt(which + " claims " + std::to_string(ndim) + " dimensions (at most " +
+      corrupt(which() + " claims " + std::to_string(ndim) + " dimensions (at most " +
               std::to_string(kMaxDims) + ")");
     }
-    if (at + ndim > n) corrupt(which + " is cut off");
-    Shape shape{static_cast<c10::ScalarType>(dtype), {}};
+    if (at + ndim > n) corrupt(which() + " is cut off");
     double elements = 1;
     for (std::int64_t d = 0; d < ndim; ++d) {
-      const auto size = h[static_cast<std::size_t>(at++)];
-      if (size < 0) corrupt(which + " has size " + std::to_string(size));
-      shape.sizes.push_back(size);
+      const auto size = word(at++);
+      if (size < 0) corrupt(which() + " has size " + std::to_string(size));
       elements *= static_cast<double>(size);
     }
-    bytes += elements * static_cast<double>(c10::elementSize(shape.dtype));
-    shapes.emplace_back(std::move(shape));
+    bytes += elements * static_cast<double>(c10::elementSize(static_cast<c10::ScalarType>(dtype)));
   }
   if (at != n) corrupt("it has " + std::to_string(n - at) + " words beyond its tensors");
-  TORCH_CHECK(bytes <= static_cast<double>(max_bytes), "stagewise: a message from ", from,
+  TORCH_CHECK(bytes <= static_cast<double>(max_bytes), "stagewise: a message from ", from(),
               " would need ", bytes, " bytes, above the limit of ", max_bytes,
               " bytes per message (C10dOptions::max_message_bytes): raise the limit if a stage "
               "really sends that much, else the sender is not a rank of this pipe");
+  // Every word is sound: the second pass allocates.
   Message m;
   m.atomic = h[3] != 0;
-  for (const auto& shape : shapes) {
-    if (!shape) {
+  at = 4;
+  for (std::int64_t k = 0; k < h[2]; ++k) {
+    if (word(at++) == 0) {
       m.tensors.emplace_back();
       continue;
     }
-    m.tensors.push_back(
-        torch::empty(shape->sizes, torch::TensorOptions().dtype(shape->dtype).device(device)));
+    const auto dtype = static_cast<c10::ScalarType>(word(at++));
+    const auto ndim = word(at++);
+    std::vector<std::int64_t> sizes(h.begin() + at, h.begin() + at + ndim);
+    at += ndim;
+    m.tensors.push_back(torch::empty(sizes, torch::TensorOptions().dtype(dtype).device(device)));
   }
   return m;
 }

@@ -54,7 +54,9 @@ class C10dReceiver : protected C10dFailures {
   // tensors; counted in the traffic unless `counted` is false. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
-    const std::string from = "rank " + std::to_string(src) + " (for " + detail::describe(k) + ")";
+    const auto from = [&] {
+      return "rank " + std::to_string(src) + " (for " + detail::describe(k) + ")";
+    };
     std::vector<std::int64_t> words;
     {
       auto cpu = copy_to(fixed, torch::kCPU);
