@@ -22,7 +22,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <future>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace stagewise::runtime {
@@ -109,6 +112,59 @@ inline bool is_loopback(const std::string& host) {
   return host == "127.0.0.1" || host == "localhost" || host == "::1";
 }
 
+// Runs `make` on a thread of its own and returns what it returns, or throws `late` (a message)
+// when it has not returned within `limit`: LibTorch 1.13's TCPStore client sets no receive
+// timeout, so a port held by a program that accepts connections but never answers would block
+// its constructor forever. The thread is then left behind (detached, owning all it uses).
+template <class Make>
+auto within(std::chrono::milliseconds limit, Make make, const std::string& late) {
+  using T = decltype(make());
+  auto done = std::make_shared<std::promise<T>>();
+  auto result = done->get_future();
+  std::thread([done, make = std::move(make)]() mutable {
+    try {
+      done->set_value(make());
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  TORCH_CHECK(result.wait_for(limit) == std::future_status::ready, late);
+  return result.get();
+}
+
+// The store key by which rank `r` says it joined the job.
+inline std::string joined_key(int r) {
+  return "stagewise/joined/" + std::to_string(r);
+}
+
+// Waits until every rank has said it joined (joined_key, added by each rank as its first request),
+// up to `deadline`; past it, the error names every rank that did not join.
+inline void wait_for_ranks(c10d::Store& store, const RendezvousEnv& env,
+                 std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds limit,
+                 const std::string& where) {
+  const auto key = joined_key;
+  std::vector<std::string> all;
+  for (int r = 0; r < env.world_size; ++r) all.push_back(key(r));
+  while (!store.check(all)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string missing;
+      int count = 0;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (store.check({key(r)})) continue;
+        missing += (count++ ? ", " : "") + std::to_string(r);
+      }
+      if (count == 0) break;  // the last one joined just now
+      TORCH_CHECK(false, "stagewise: rank ", env.rank, " of ", env.world_size, ": rank",
+                  count == 1 ? " " : "s ", missing, count == 1 ? " has" : " have",
+                  " not joined the job at ", where, " within ", limit.count(),
+                  " ms; start every rank (WORLD_SIZE=", env.world_size,
+                  ") within the timeout of the others, or raise it (ConnectOptions::timeout, "
+                  "distributed::Options::timeout)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 inline std::string what_of(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
@@ -127,13 +183,27 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
   so.port = static_cast<std::uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = static_cast<std::size_t>(env.world_size);
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // the ranks join below, where a missing one is named
   so.timeout = options.timeout;
   detail::without_libuv(so);
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    // Bounded even where the client cannot time out by itself (see within): the store's own
+    // timeout first, then a second.
+    store = detail::within(
+        options.timeout + std::chrono::seconds(1),
+        [host = env.master_addr, so,
+         joined = detail::joined_key(env.rank)]() -> c10::intrusive_ptr<c10d::Store> {
+          auto s = c10::make_intrusive<c10d::TCPStore>(host, so);
+          // The first request, where a silent peer blocks a 1.13 client: this rank has joined.
+          // (add waits for the store's answer; set, on 1.13, does not).
+          s->add(joined, 1);
+          return s;
+        },
+        "no answer from a c10d store there within " + std::to_string(options.timeout.count()) +
+            " ms (another program holds that port, or rank 0 is stuck)");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stagewise: rank ", env.rank, " of ", env.world_size,
                 " could not rendezvous at ", where,
@@ -142,6 +212,7 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
                                 "MASTER_ADDR and MASTER_PORT the same on every rank?)",
                 ": ", detail::what_of(e));
   }
+  detail::wait_for_ranks(*store, env, deadline, options.timeout, where);
   if (options.backend == Backend::nccl) {
 #ifdef USE_C10D_NCCL
     auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
