@@ -92,6 +92,41 @@ TEST_SUITE("fused step equals the unfused optimizer bit for bit") {
   TEST_CASE("AdamW: 10 steps") {
     check_exact(adamw, {});
   }
+  // torch::load(module, file) replaces each parameter's storage with set_, and autograd then
+  // builds a new AccumulateGrad node for it, without the hook: the parameter would silently stop
+  // stepping.
+  TEST_CASE("parameters whose storage was replaced (torch::load) are hooked again and step") {
+    auto reference = test::train_unfused(adam, {}, 4);
+    auto replace_storage = [](const test::Net& net) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.set_(p.detach().clone());
+    };
+    {  // finish_step after every step: it steps on what the lost hook missed, and hooks again.
+      auto net = test::make_net({});
+      sw::optim::FusedStep fused(net->parameters(), adam);
+      for (int s = 0; s < 4; ++s) {
+        if (s == 2) replace_storage(net);
+        test::forward_backward(net, s);
+        fused.finish_step();
+      }
+      CHECK(test::max_abs_diff(reference->parameters(), net->parameters()) == 0.0);
+      CHECK(test::all_grads_empty(net->parameters()));
+    }
+    {  // attach() after the load hooks them again before the next backward.
+      auto net = test::make_net({});
+      sw::optim::FusedStep fused(net->parameters(), adam);
+      for (int s = 0; s < 4; ++s) {
+        if (s == 2) {
+          replace_storage(net);
+          fused.attach();
+        }
+        test::forward_backward(net, s);
+        CHECK(test::all_grads_empty(net->parameters()));
+      }
+      CHECK(test::max_abs_diff(reference->parameters(), net->parameters()) == 0.0);
+    }
+  }
+
   TEST_CASE("RMSprop and Adagrad, passed as options or through a factory") {
     check_exact(optim::RMSpropOptions(1e-2).momentum(0.5), {});
     check_exact(optim::AdagradOptions(1e-1), {});

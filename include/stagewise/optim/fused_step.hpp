@@ -78,6 +78,7 @@ class FusedStep {
   void set_accumulation_steps(int k) {
     check_between_steps("set_accumulation_steps");
     check_steps(k);
+    rehook_replaced();  // a pipe calls this before each step: hooks are in place for its backward
     for (auto& slot : state().slots) slot->accumulation_steps = k;
   }
 
@@ -107,6 +108,14 @@ class FusedStep {
         st.attached,
         "stagewise::optim::FusedStep::finish_step: the fused step is detached, so no "
         "parameter stepped. Call attach() before the step, or step the optimizer yourself.");
+    // A parameter whose tensor was replaced in place (set_, as torch::load(module, ...) does)
+    // has a new AccumulateGrad node without the hook: its gradients of this step are in .grad,
+    // unseen. It steps on them now, as the unfused optimizer would, and is hooked again.
+    for (const auto& slot : rehook_replaced()) {
+      if (slot->arrivals.load() == 0 && slot->updates.load() == 0 && slot->param.grad().defined()) {
+        slot->use_gradient();
+      }
+    }
     const bool strict = st.shared.strict;
     std::ostringstream problems;
     int count = 0;
@@ -188,9 +197,19 @@ class FusedStep {
   }
 
   /// Installs the hooks again after `detach()` (construction attaches). Optimizer state is kept.
+  /// While attached, hooks again the parameters whose tensors were given other storage in place
+  /// since: `torch::load(module, file)` does that (set_), and autograd then forgets the hook.
+  /// `finish_step()` and `set_accumulation_steps(k)` do this too, and `finish_step()` also steps
+  /// a parameter on the gradients its lost hook missed; without them, call attach() after
+  /// loading a module.
+  ///   torch::load(model, "model.pt");
+  ///   fused.attach();
   void attach() {
     auto& st = state();
-    if (st.attached) return;
+    if (st.attached) {
+      rehook_replaced();
+      return;
+    }
     try {
       for (auto& slot : st.slots) {
         // The tensor holds its AccumulateGrad node only weakly: keep it alive, or the next
@@ -295,6 +314,24 @@ class FusedStep {
     }
     TORCH_CHECK(false, "stagewise::optim::FusedStep::", what, ": a tensor of shape ", p.sizes(),
                 " is not one of this FusedStep's parameters. Pass parameters it was built with.");
+  }
+
+  // Moves the hook of every parameter whose AccumulateGrad node was replaced since it was hooked
+  // (its tensor was set_ to other storage: the tensor keeps its node only weakly, and set_ drops
+  // it) onto the new node; returns those parameters' slots.
+  std::vector<detail::FusedSlot*> rehook_replaced() {
+    std::vector<detail::FusedSlot*> moved;
+    auto& st = state();
+    if (!st.attached) return moved;
+    for (auto& slot : st.slots) {
+      auto node = torch::autograd::impl::grad_accumulator(slot->param);
+      if (!node || node == slot->accumulator) continue;
+      if (slot->accumulator) slot->accumulator->del_post_hook(slot->hook_key);
+      slot->hook_key = node->add_post_hook(std::make_unique<detail::FusedPostHook>(slot.get()));
+      slot->accumulator = std::move(node);
+      moved.push_back(slot.get());
+    }
+    return moved;
   }
 
   // One optimizer over all parameters, with the current options: the unfused layout.
