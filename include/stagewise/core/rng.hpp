@@ -3,10 +3,16 @@
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <torch/cuda.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/types.h>
 
+#include <c10/util/Exception.h>
+
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -61,6 +67,42 @@ class RngState {
       }
     }
     return true;
+  }
+
+  /// Writes the captured states into `archive` (a save's "rng" entry): the CPU generator's, then
+  /// each device's with its name.
+  ///   torch::serialize::OutputArchive a;
+  ///   stagewise::RngState::capture_all().save(a);
+  void save(torch::serialize::OutputArchive& archive) const {
+    archive.write("cpu", cpu_, /*is_buffer=*/true);
+    archive.write("devices", c10::IValue(static_cast<std::int64_t>(devices_.size())));
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      archive.write("device" + std::to_string(i), c10::IValue(devices_[i].first.str()));
+      archive.write("state" + std::to_string(i), devices_[i].second, /*is_buffer=*/true);
+    }
+  }
+
+  /// Reads states written by `save`; restore() then puts them back. A device this process does
+  /// not have is an error naming it.
+  static RngState load(torch::serialize::InputArchive& archive) {
+    RngState s;
+    archive.read("cpu", s.cpu_, /*is_buffer=*/true);
+    c10::IValue count, name;
+    archive.read("devices", count);
+    for (std::int64_t i = 0; i < count.toInt(); ++i) {
+      archive.read("device" + std::to_string(i), name);
+      const torch::Device device(name.toStringRef());
+      TORCH_CHECK(device.type() != torch::kCUDA ||
+                      (torch::cuda::is_available() &&
+                       device.index() < static_cast<int>(torch::cuda::device_count())),
+                  "stagewise: the saved random-number states include ", device.str(),
+                  "'s, which this process does not have; resume on a machine with the same "
+                  "devices visible (CUDA_VISIBLE_DEVICES)");
+      torch::Tensor state;
+      archive.read("state" + std::to_string(i), state, /*is_buffer=*/true);
+      s.devices_.emplace_back(device, state);
+    }
+    return s;
   }
 
   /// While alive, the generators are at the captured state; on destruction they go back to

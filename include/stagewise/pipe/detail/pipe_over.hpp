@@ -9,7 +9,10 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
+#include "stagewise/core/rng.hpp"
+#include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
+#include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
@@ -17,6 +20,7 @@
 #include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/runtime/stage_signature.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
@@ -32,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -110,6 +115,41 @@ class PipeOver : public PlacedStages {
   ///   const auto sent = pipe->traffic().bytes_sent - before.bytes_sent;
   runtime::Traffic traffic() const { return transport_->traffic(); }
 
+  /// Saves, at a step boundary, what a resumed job needs to continue bit for bit: this process's
+  /// stages' parameters and buffers, `optimizer`'s state (an unfused LibTorch optimizer over
+  /// these parameters, or `optim::FusedStep`), the random-number generators' states, `step` (any
+  /// number of yours, given back by `load`) and the plan that made them. Writes `dir`/stage<j>.pt
+  /// for each of this process's stages and then `dir`/rank<r>.pt, each whole or not at all; a
+  /// distributed pipe's ranks each write their own files (`dir` may be on a shared file system
+  /// or on each machine's own) and every rank returns once all have saved. A failure on any rank
+  /// fails the save on every rank, and leaves that save incomplete (load refuses it). Call it
+  /// between steps, on every rank; save each step to a directory of its own, so that a job
+  /// killed while saving still has the previous one.
+  ///   pipe->save("ckpt/step-" + std::to_string(step), optimizer, step);
+  template <savable_optimizer Optimizer>
+  void save(const std::string& dir, const Optimizer& optimizer, std::int64_t step) {
+    save_state(dir, step, [&](torch::serialize::OutputArchive& a) { optimizer.save(a); });
+  }
+
+  /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.
+  void save(const std::string& dir, std::int64_t step) { save_state(dir, step, nullptr); }
+
+  /// Resumes from a save (`save`) of a pipe built alike: loads this process's stages'
+  /// parameters and buffers, `optimizer`'s state and the generators' states, and returns the
+  /// saved step. The save must come from the same model, balance, placement, devices and number
+  /// of processes; anything else, a save another rank lacks (a job stopped while saving) or
+  /// ranks given saves of different steps, is an error naming it, on every rank, before anything
+  /// is changed. Call it on every rank, before the first step or between steps.
+  ///   const auto step = pipe->load("ckpt/step-100", optimizer) + 1;  // the next step to run
+  template <savable_optimizer Optimizer>
+  std::int64_t load(const std::string& dir, Optimizer& optimizer) {
+    return load_state(dir, [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
+  }
+
+  /// Loads the stages' parameters, buffers and the generators' states of a save, leaving any
+  /// saved optimizer state unread (e.g. to evaluate a saved model).
+  std::int64_t load(const std::string& dir) { return load_state(dir, nullptr); }
+
  protected:
   /// `who` opens every error ("stagewise::Pipe").
   PipeOver(std::string who, PipeOptions options)
@@ -124,7 +164,10 @@ class PipeOver : public PlacedStages {
   template <class Local>
   void build_stages(std::vector<StageSpec> specs, Local local) {
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
-    for (const auto& spec : specs) modules.push_back(spec.module);
+    for (const auto& spec : specs) {
+      modules.push_back(spec.module);
+      signatures_.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
+    }
     skips_ = std::make_shared<const SkipLayout>(skip_layout_of(modules));
     const auto devices = place_stage_modules(specs, options_.devices(), who_, local);
     for (std::size_t j = 0; j < specs.size(); ++j) {
@@ -149,6 +192,18 @@ class PipeOver : public PlacedStages {
                 " stages; a pipe runs at most one worker per stage");
   }
 
+  /// This process's rank, the number of processes and every stage's process (one process: 0, 1,
+  /// all 0), for saves.
+  virtual int process_rank() const { return 0; }
+  virtual int process_count() const { return 1; }
+  virtual int process_of(int /*stage*/) const { return 0; }
+
+  /// Every process's `mine` in rank order, once every process has given its own under the same
+  /// `what` (called by every process in the same order). One process: {mine}.
+  virtual std::vector<std::string> gather(const std::string& /*what*/, const std::string& mine) {
+    return {mine};
+  }
+
   /// Called with the step's number of micro-batches just before its workers start.
   virtual void begin_micro_batches(int /*micro_batches*/) {}
 
@@ -157,9 +212,155 @@ class PipeOver : public PlacedStages {
   PipeOptions options_;
   std::shared_ptr<const SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
+  std::vector<std::string> signatures_;                         // of every stage, for saves
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
  private:
+  using SaveOptimizer = std::function<void(torch::serialize::OutputArchive&)>;
+  using LoadOptimizer = std::function<void(torch::serialize::InputArchive&)>;
+
+  SavedPlan plan_here() const {
+    SavedPlan p;
+    p.processes = process_count();
+    for (std::size_t j = 0; j < stages_.size(); ++j) {
+      p.placement.push_back(process_of(static_cast<int>(j)));
+      p.devices.push_back(stages_[j] ? stages_[j]->device.str() : "");
+    }
+    p.signatures = signatures_;
+    return p;
+  }
+
+  // Every process's outcome of `what` (`failure`: this one's error, opening with
+  // "<who>::<what>: ", or empty); throws the first failure, in rank order, on every process: a
+  // c10::Error with this process's own text if it is that one, else naming the failed rank.
+  void agree(const std::string& what, const std::string& failure, const std::string& consequence) {
+    const std::string prefix = who_ + "::" + what + ": ";
+    std::string published = failure;
+    if (published.rfind(prefix, 0) == 0) published.erase(0, prefix.size());
+    const auto all = gather(what, published);
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      if (static_cast<int>(r) == process_rank()) TORCH_CHECK(false, prefix, all[r]);
+      TORCH_CHECK(false, prefix, "rank ", r, " failed: ", all[r], "; ", consequence);
+    }
+  }
+
+  static std::string text_of(const std::exception& e) {
+    if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+    return e.what();
+  }
+
+  void save_state(const std::string& dir, std::int64_t step, const SaveOptimizer& optimizer) {
+    std::string failure;
+    try {
+      std::filesystem::create_directories(dir);
+      for (std::size_t j = 0; j < stages_.size(); ++j) {
+        if (!stages_[j]) continue;
+        torch::serialize::OutputArchive a;
+        a.write("format", c10::IValue(kSaveFormat));
+        a.write("stage", c10::IValue(static_cast<std::int64_t>(j)));
+        a.write("signature", c10::IValue(signatures_[j]));
+        if (const auto& module = stages_[j]->spec.module) {
+          torch::serialize::OutputArchive m;
+          write_module_state(*module, m);
+          a.write("module", m);
+        }
+        write_whole(a, stage_file(dir, static_cast<int>(j)));
+      }
+      // The process's file last: its presence says this process's part of the save is whole.
+      torch::serialize::OutputArchive a, plan, rng;
+      a.write("format", c10::IValue(kSaveFormat));
+      a.write("step", c10::IValue(step));
+      plan_here().write(plan);
+      a.write("plan", plan);
+      RngState::capture_all().save(rng);
+      a.write("rng", rng);
+      a.write("has_optimizer", c10::IValue(optimizer != nullptr));
+      if (optimizer) {
+        torch::serialize::OutputArchive o;
+        optimizer(o);
+        a.write("optimizer", o);
+      }
+      write_whole(a, rank_file(dir, process_rank()));
+    } catch (const std::exception& e) {
+      failure = "could not save to " + dir + ": " + text_of(e);
+    }
+    agree("save", failure, "the save in " + dir + " is incomplete and cannot be loaded");
+  }
+
+  std::int64_t load_state(const std::string& dir, const LoadOptimizer& optimizer) {
+    // First read and check everything, changing nothing; every process then knows whether all
+    // can load, and from the same step.
+    const std::string where = who_ + "::load: ";
+    const std::string file = rank_file(dir, process_rank());
+    torch::serialize::InputArchive rank_archive, optimizer_archive, rng_archive;
+    std::vector<std::unique_ptr<SavedModuleState>> modules(stages_.size());
+    std::int64_t step = 0;
+    std::string failure;
+    try {
+      TORCH_CHECK(std::filesystem::exists(file), where, dir, " has no ", file, " (rank ",
+                  process_rank(),
+                  "'s part of a save): it is not a save, or the job "
+                  "stopped while saving; resume from an earlier save");
+      rank_archive.load_from(file);
+      c10::IValue v;
+      rank_archive.read("format", v);
+      TORCH_CHECK(v.toInt() == kSaveFormat, where, file, " has save format ", v.toInt(),
+                  ", this stagewise reads format ", kSaveFormat);
+      rank_archive.read("step", v);
+      step = v.toInt();
+      torch::serialize::InputArchive plan;
+      rank_archive.read("plan", plan);
+      const auto difference = SavedPlan::read(plan).difference(plan_here());
+      TORCH_CHECK(difference.empty(), where, "cannot load the save in ", dir, ": ", difference);
+      rank_archive.read("has_optimizer", v);
+      TORCH_CHECK(!optimizer || v.toBool(), where, "the save in ", dir,
+                  " has no optimizer state (it was saved without an optimizer); load it with "
+                  "load(dir), or resume from a save made with save(dir, optimizer, step)");
+      if (optimizer) rank_archive.read("optimizer", optimizer_archive);
+      rank_archive.read("rng", rng_archive);
+      for (std::size_t j = 0; j < stages_.size(); ++j) {
+        if (!stages_[j] || !stages_[j]->spec.module) continue;
+        const auto path = stage_file(dir, static_cast<int>(j));
+        TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
+                    ": the save is incomplete; resume from another one");
+        torch::serialize::InputArchive a;
+        a.load_from(path, stages_[j]->device);
+        a.read("signature", v);
+        TORCH_CHECK(v.toStringRef() == signatures_[j], where, path, " holds stage {",
+                    v.toStringRef(), "} but this pipe's stage ", j, " is {", signatures_[j],
+                    "}; the files of different saves are mixed in ", dir);
+        torch::serialize::InputArchive m;
+        a.read("module", m);
+        modules[j] = std::make_unique<SavedModuleState>(*stages_[j]->spec.module, m, path);
+      }
+    } catch (const std::exception& e) {
+      failure = text_of(e);
+    }
+    agree("load", failure, "nothing was loaded");
+    const auto steps = gather("load", std::to_string(step));
+    for (std::size_t r = 1; r < steps.size(); ++r) {
+      TORCH_CHECK(steps[r] == steps[0], where, "the ranks' saves in ", dir,
+                  " are of different steps (rank 0's of step ", steps[0], ", rank ", r,
+                  "'s of step ", steps[r],
+                  "); resume every rank from the same save. Nothing was "
+                  "loaded");
+    }
+    // Then change the stages, the optimizer and the generators.
+    try {
+      for (std::size_t j = 0; j < stages_.size(); ++j) {
+        if (modules[j]) modules[j]->copy_into();
+      }
+      if (optimizer) optimizer(optimizer_archive);
+      RngState::load(rng_archive).restore();
+    } catch (const std::exception& e) {
+      failure = "could not load " + dir + ": " + text_of(e);
+    }
+    agree("load", failure,
+          "this pipe may be partly loaded: load a save again, or build a new pipe");
+    return step;
+  }
+
   template <class Schedule>
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,

@@ -3,6 +3,7 @@
 #include "stagewise/pipe/detail/pipe_over.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
+#include "stagewise/runtime/c10d/gather_text.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -156,6 +158,16 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
   void train(bool on = true) override { torch::nn::Module::train(on); }
 
  private:
+  int process_rank() const override { return rank(); }
+  int process_count() const override { return world_size(); }
+  int process_of(int stage) const override { return rank_of(stage); }
+  // Through the job's store, under a key of this pipe's (every rank makes the same calls).
+  std::vector<std::string> gather(const std::string& what, const std::string& mine) override {
+    return runtime::gather_text(
+        connection_, dist_.transport().prefix() + "/gather/" + std::to_string(++gathers_), mine,
+        dist_.connect().timeout, "stagewise::distributed::Pipe::" + what);
+  }
+
   // The schedule must run stage j on rank_of(j), on as many workers as there are ranks.
   void check_placement(const std::vector<int>& placement, int workers) const override {
     TORCH_CHECK(workers == workers_, "stagewise::distributed::Pipe::train_step: the schedule runs ",
@@ -178,6 +190,7 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
   Options dist_;
   int workers_ = 1;
   std::vector<int> placement_;  // the rank of every stage
+  std::int64_t gathers_ = 0;    // exchanges through the store so far (saves, loads)
 };
 
 /// The distributed pipe's holder: `stagewise::distributed::Pipe pipe(seq, balance, options)`,

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/stage_signature.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -15,20 +16,6 @@
 #include <vector>
 
 namespace stagewise::runtime {
-
-/// What two ranks must agree on about a stage: its parameters' names, dtypes and shapes, e.g.
-/// "0.weight float [8, 4]; 0.bias float [8]".
-///   auto s = stagewise::runtime::stage_signature(*stage_module);
-inline std::string stage_signature(const torch::nn::Module& stage) {
-  std::ostringstream out;
-  bool first = true;
-  for (const auto& p : stage.named_parameters(/*recurse=*/true)) {
-    out << (first ? "" : "; ") << p.key() << " " << c10::toString(p.value().scalar_type()) << " "
-        << p.value().sizes();
-    first = false;
-  }
-  return out.str();
-}
 
 /// Checks, before any step, that the job has one rank per worker of the plan: `workers` ranks,
 /// as many as the schedule puts the stages on.
