@@ -368,6 +368,8 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
       detail::run_action(c, a, in, total);
     } catch (const detail::Aborted&) {
       throw;
+    } catch (const RelayedError&) {
+      throw;  // another process's failure, already naming its cell
     } catch (...) {
       ::stagewise::detail::annotate_current_exception(ErrorContext{j, i, detail::phase_of(a.kind)});
       throw;

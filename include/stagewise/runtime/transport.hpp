@@ -4,6 +4,7 @@
 #include "stagewise/schedule/comms.hpp"
 #include "stagewise/schedule/plan.hpp"
 
+#include <c10/util/Exception.h>
 #include <torch/types.h>
 
 #include <concepts>
@@ -26,6 +27,12 @@ concept transport = requires(T& t, const MessageKey& k, Message m, std::exceptio
   t.send(k, std::move(m));
   { t.recv(k) } -> std::same_as<std::optional<Message>>;
   t.abort(e);
+};
+
+/// An error raised in another process and relayed here by a transport ("rank K failed: ..."):
+/// it names the cell where it was raised, so the executor does not add this process's cell.
+struct RelayedError : c10::Error {
+  explicit RelayedError(const c10::Error& e) : c10::Error(e) {}
 };
 
 /// What a transport moved out of this process and into it: messages and the bytes of their

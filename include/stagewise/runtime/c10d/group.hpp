@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 
 #include <c10/util/Exception.h>
@@ -16,6 +17,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <signal.h>
 
 #include <chrono>
 #include <concepts>
@@ -86,6 +89,9 @@ struct Connection {
   /// until the other ranks have read the cause from the store (bounded), so that they report it
   /// rather than the store's loss.
   bool serves_store = false;
+  /// The same group's all-reduce and broadcast (data parallelism); empty if the caller built the
+  /// connection without them.
+  Collectives collectives = {};
 };
 
 /// Which c10d process group `connect` builds: Gloo (CPU tensors; every LibTorch) or NCCL (CUDA
@@ -140,8 +146,8 @@ inline std::string joined_key(int r) {
 // Waits until every rank has said it joined (joined_key, added by each rank as its first request),
 // up to `deadline`; past it, the error names every rank that did not join.
 inline void wait_for_ranks(c10d::Store& store, const RendezvousEnv& env,
-                 std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds limit,
-                 const std::string& where) {
+                           std::chrono::steady_clock::time_point deadline,
+                           std::chrono::milliseconds limit, const std::string& where) {
   const auto key = joined_key;
   std::vector<std::string> all;
   for (int r = 0; r < env.world_size; ++r) all.push_back(key(r));
@@ -165,6 +171,17 @@ inline void wait_for_ranks(c10d::Store& store, const RendezvousEnv& env,
   }
 }
 
+// Gloo writes to its sockets without MSG_NOSIGNAL, so a peer that exits makes a write raise
+// SIGPIPE, whose default action kills this process before any error is reported. Python ignores
+// SIGPIPE at start-up, which is why PyTorch's jobs never see it; a C++ program has to. A handler
+// the program installed itself is left alone.
+inline void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 inline std::string what_of(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
@@ -179,6 +196,7 @@ inline std::string what_of(const std::exception& e) {
 /// resolves to. Failures name the address and fix.
 ///   auto c = stagewise::runtime::connect(stagewise::runtime::rendezvous_env());
 inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {}) {
+  detail::ignore_sigpipe();  // before Gloo's threads start, so they inherit it
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
@@ -219,7 +237,8 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
     nccl_options->timeout = options.timeout;
     auto group =
         c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_options);
-    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0};
+    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0,
+                      Collectives(group)};
 #else
     TORCH_CHECK(false, "stagewise: this LibTorch has no NCCL (compiled without USE_C10D_NCCL); ",
                 "use Backend::gloo, or build against a CUDA LibTorch with -DUSE_C10D_NCCL");
@@ -237,7 +256,8 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
   try {
     auto group =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
-    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0};
+    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0,
+                      Collectives(group)};
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stagewise: rank ", env.rank, " of ", env.world_size,
                 " could not connect to the other ranks over Gloo (rendezvous at ", where,

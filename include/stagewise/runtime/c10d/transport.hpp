@@ -241,7 +241,8 @@ class C10dTransport : private detail::C10dReceiver {
   /// transfers. On the rank that serves the store it then waits, boundedly, until the others
   /// have read the cause.
   void abort(std::exception_ptr e) {
-    publish("rank " + std::to_string(rank()) + " failed: " + failure_text(e));
+    // Marked aborted here before the store hears of it: this rank's own store poll must not
+    // take its own published failure for another rank's and report that instead of `e`.
     {
       std::lock_guard<std::mutex> lock(mutex_);
       aborted_here_ = true;
@@ -250,6 +251,7 @@ class C10dTransport : private detail::C10dReceiver {
     }
     wake_.notify_all();
     abort_local(e);
+    publish("rank " + std::to_string(rank()) + " failed: " + failure_text(e));
     acknowledge(rank());
     linger();
   }

@@ -5,6 +5,7 @@
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/transport.hpp"
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
@@ -12,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -40,7 +42,9 @@ class C10dFailures {
         options_(std::move(options)),
         abort_key_(options_.prefix() + "/abort"),
         seen_key_(options_.prefix() + "/abort_seen"),
-        serves_store_(c.serves_store) {}
+        serves_store_(c.serves_store) {
+    ignore_sigpipe();  // also for a connection the caller built (group.hpp)
+  }
   ~C10dFailures() = default;
 
   C10dFailures(const C10dFailures&) = delete;
@@ -66,7 +70,7 @@ class C10dFailures {
     try {
       std::rethrow_exception(e);
     } catch (const c10::Error& x) {
-      throw c10::Error(x);
+      throw RelayedError(x);
     }
   }
 
@@ -102,16 +106,16 @@ class C10dFailures {
         fail(*published);
         rethrow_failure();
       }
-      if (std::chrono::steady_clock::now() > until) break;
+      if (store_lost_ || std::chrono::steady_clock::now() > until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    const std::string what = "rank " + std::to_string(peer) + " is gone: its connection closed " +
-                             "while rank " + std::to_string(rank()) + " exchanged " +
-                             detail::describe(k) + " with it; it crashed, was killed, or exited " +
-                             "early (see its output). Transport error: " + detail::what_of(e);
+    const std::string what = cause_of_lost_peer(
+        peer, "rank " + std::to_string(peer) + " is gone: its connection closed while rank " +
+                  std::to_string(rank()) + " exchanged " + detail::describe(k) +
+                  " with it; it crashed, was killed, or exited early (see its output). " +
+                  "Transport error: " + detail::what_of(e));
     acknowledge(peer);  // it will never read the cause
-    publish(what);
-    fail(what);
+    publish_and_fail(what);
     rethrow_failure();
     TORCH_CHECK(false, "stagewise: ", what);
   }
@@ -142,6 +146,7 @@ class C10dFailures {
 
   // Tells the other ranks (first writer wins); the store may be gone already.
   void publish(const std::string& what) {
+    if (store_lost_) return;
     try {
       const std::vector<std::uint8_t> value(what.begin(), what.end());
       store_->compareSet(abort_key_, {}, value);
@@ -152,6 +157,7 @@ class C10dFailures {
   // Tells the rank serving the store that rank `who` (this one, or a peer found dead) knows the
   // job failed, or never will (see linger).
   void acknowledge(int who) {
+    if (store_lost_) return;
     try {
       store_->set(seen_key_ + "/" + std::to_string(who), std::vector<std::uint8_t>{1});
     } catch (...) {
@@ -184,16 +190,40 @@ class C10dFailures {
     }
   }
 
-  // What a failed rank wrote to the store, if anything (the store may be gone).
+  // What a failed rank wrote to the store, if anything. Once the store has stopped answering
+  // (its rank is gone), it is not asked again: LibTorch 2.x logs every failed request.
   std::optional<std::string> read_published() {
+    if (store_lost_) return std::nullopt;
     try {
       if (store_->check({abort_key_})) {
         const auto v = store_->get(abort_key_);
         return std::string(v.begin(), v.end());
       }
     } catch (...) {
+      store_lost_ = true;
     }
     return std::nullopt;
+  }
+
+  // Tells the other ranks of `what` and fails this one with what the store then holds: the
+  // first failure any rank published, so that every rank reports the same one.
+  void publish_and_fail(const std::string& what) {
+    publish(what);
+    fail(read_published().value_or(what));
+  }
+
+  // The failure to report when rank `peer`'s connection closed: the one a rank published, or,
+  // if the store is gone too, the loss of the rank serving it (it may have died first and taken
+  // the others' word with it), else `peer`'s.
+  std::string cause_of_lost_peer(int peer, const std::string& peer_gone) {
+    if (store_lost_ && peer != 0) {
+      return "rank 0, which serves the job's store, is gone: the store stopped answering and "
+             "rank " +
+             std::to_string(peer) + "'s connection closed while rank " + std::to_string(rank()) +
+             " waited; rank 0 crashed, was killed, or exited early (see its output), and rank " +
+             std::to_string(peer) + " stopped after it";
+    }
+    return peer_gone;
   }
 
   void abort_works_locked() {
@@ -203,7 +233,6 @@ class C10dFailures {
 
   // Background: another rank's failure in the store, and receives past their deadline.
   void watch() {
-    bool store_ok = true;
     std::unique_lock<std::mutex> lock(mutex_);
     while (!closing_) {
       wake_.wait_for(lock, options_.poll());
@@ -222,25 +251,16 @@ class C10dFailures {
       }
       if (!stuck.empty()) {
         lock.unlock();
-        publish(stuck);
-        fail(stuck);
+        publish_and_fail(stuck);
         lock.lock();
         continue;
       }
-      if (!store_ok) continue;
+      // Once rank 0, which serves the store, has exited, the store is not asked again; if it
+      // died, the Gloo connections to it fail the receives that wait on it, and the deadline
+      // bounds the others.
+      if (store_lost_) continue;
       lock.unlock();
-      std::optional<std::string> published;
-      try {
-        if (store_->check({abort_key_})) {
-          const auto v = store_->get(abort_key_);
-          published.emplace(v.begin(), v.end());
-        }
-      } catch (...) {
-        // Rank 0, which serves the store, has exited; if it died, the Gloo connections to it
-        // fail the receives that wait on it, and the deadline bounds the others.
-        store_ok = false;
-      }
-      if (published) fail(*published);
+      if (auto published = read_published()) fail(*published);
       lock.lock();
     }
   }
@@ -275,8 +295,7 @@ class C10dFailures {
           fail(*published);
         } else {
           acknowledge(p.peer);  // it will never read the cause
-          publish(what);
-          fail(what);
+          publish_and_fail(cause_of_lost_peer(p.peer, what));
         }
         lock.lock();
       }
@@ -291,6 +310,7 @@ class C10dFailures {
   std::string seen_key_;  // <seen_key_>/<rank>: that rank learnt of a failure (acknowledge, linger)
   bool serves_store_ = false;
   bool lingered_ = false;
+  std::atomic<bool> store_lost_{false};      // the store stopped answering: not asked again
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
   mutable std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
