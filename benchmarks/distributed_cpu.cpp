@@ -4,7 +4,12 @@
 // nan where PyTorch < 2.4). Model: 2 stages of Linear(512,512), ReLU, Linear(512,512), ReLU;
 // batch 128, chunks 8; one step is forward and backward of the batch. Variants alternate in
 // rounds; each prints min / median / max of its per-round medians, and each ratio is taken within
-// a round (the last line gives the medians of the ratios).
+// a round (the last line gives the medians of the ratios). Then data parallelism: the whole
+// model (all 8 layers) with distributed::DataParallel on the 2 ranks, each on 64 rows, against
+// one process on the whole batch of 128 rows; the bytes each rank all-reduces per step against
+// the ring all-reduce's 2(d-1)/d x the gradients' size; and the share of the reductions' time
+// hidden behind backward: 1 - (DP step - the same step without communication) / (the step's
+// all-reduces alone).
 //   ./bazelw run -c opt //benchmarks:distributed_cpu [-- --blas=openblas]
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
@@ -78,7 +83,48 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
         sw::runtime::C10dOptions().prefix("distributed_cpu/agreement"));
     auto [x, t] = batch();
     auto params = pipe->parameters();
+    // Data parallel: the whole model on each rank, each on its 64 of the 128 rows.
+    auto whole = model();
+    sw::distributed::DataParallel dp(connection, whole,
+                                     sw::distributed::DataParallelOptions().bucket_bytes(1 << 20));
+    const auto dx = dp.shard(x), dt = dp.shard(t);
+    auto dp_step = [&] {
+      for (auto& p : whole->parameters()) p.mutable_grad() = torch::Tensor();
+      mse(dp.forward(dx), dt).backward();
+    };
+    // The same all-reduces as one DP step, alone (one flat tensor per bucket).
+    std::vector<torch::Tensor> flats;
+    for (const auto& b : dp.buckets()) {
+      std::int64_t n = 0;
+      for (const auto i : b) n += whole->parameters()[i].numel();
+      flats.push_back(torch::zeros({n}));
+    }
+    auto reduce_only = [&] {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (auto& f : flats) {
+        std::vector<at::Tensor> one{f};
+        works.push_back(connection.collectives.all_reduce_sum(one));
+      }
+      for (auto& w : works) w->wait();
+    };
     for (char c; ::read(commands, &c, 1) == 1 && c != 'q';) {
+      if (c == 'd' || c == 'n' || c == 'r' || c == 'b') {
+        double us = 0;
+        if (c == 'd') us = median_us(dp_step, kSteps, 2);
+        if (c == 'n') {
+          auto local = dp.no_sync();
+          us = median_us(dp_step, kSteps, 2);
+        }
+        if (c == 'r') us = median_us(reduce_only, kSteps, 2);
+        if (c == 'b') {
+          dp_step();
+          us = static_cast<double>(dp.bytes_reduced_last_step());
+        }
+        if (rank == 0) {
+          [[maybe_unused]] auto n = ::write(answers, &us, sizeof us);
+        }
+        continue;
+      }
       auto step = [&] {
         for (auto& p : params) p.mutable_grad() = torch::Tensor();
         if (c == 'g') {
@@ -181,6 +227,40 @@ int main(int argc, char** argv) {
     vs_in_process.push_back(us[1] / us[2]);
   }
   const double agreement_us = ask('e');
+  // Data parallel against one process on the whole batch, alternating in rounds.
+  auto whole = model();
+  auto one_process = [&] {
+    whole->zero_grad();
+    mse(whole->forward(x), t).backward();
+  };
+  std::vector<double> one_us, dp_us, local_us, reduce_us, dp_speedups, overlaps;
+  for (int round = 0; round < kRounds; ++round) {
+    double u[4];
+    for (int k = 0; k < 4; ++k) {
+      switch ((round + k) % 4) {
+        case 0:
+          u[0] = median_us(one_process, kSteps, 2);
+          break;
+        case 1:
+          u[1] = ask('d');
+          break;
+        case 2:
+          u[2] = ask('n');
+          break;
+        default:
+          u[3] = ask('r');
+      }
+    }
+    one_us.push_back(u[0]);
+    dp_us.push_back(u[1]);
+    local_us.push_back(u[2]);
+    reduce_us.push_back(u[3]);
+    dp_speedups.push_back(u[0] / u[1]);
+    overlaps.push_back(std::clamp(1.0 - (u[1] - u[2]) / u[3], 0.0, 1.0));
+  }
+  const double dp_bytes = ask('b');
+  double grad_bytes = 0;
+  for (const auto& p : whole->parameters()) grad_bytes += static_cast<double>(p.nbytes());
   for (int r = 0; r < 2; ++r) {
     const char q = 'q';
     [[maybe_unused]] auto n = ::write(commands[r][1], &q, 1);
@@ -218,10 +298,26 @@ int main(int argc, char** argv) {
   std::printf("  %-52s %10.1f us  (%.3f%% of the gpipe step)\n",
               "end-of-step agreement (end_step), per step", agreement_us,
               100.0 * agreement_us / gpipe_us);
+  std::printf(
+      "# data parallel: the whole model on each of 2 ranks, 64 rows each, buckets of 1 MiB\n");
+  bench::print_figure("one process, whole batch (128 rows)", bench::summarize(one_us), "us");
+  bench::print_figure("DataParallel, 2 ranks", bench::summarize(dp_us), "us");
+  bench::print_figure("DataParallel, 2 ranks, no communication (no_sync)",
+                      bench::summarize(local_us), "us");
+  bench::print_figure("the step's all-reduces alone", bench::summarize(reduce_us), "us");
+  const auto dp_speedup = bench::summarize(dp_speedups);
+  const auto dp_overlap = bench::summarize(overlaps);
+  bench::print_figure("DataParallel: speed-up vs one process", dp_speedup, "x");
+  bench::print_figure("share of the all-reduces hidden behind backward", dp_overlap, "");
+  // d = 2: the ring all-reduce moves 2(d-1)/d = 1 x the gradients per rank.
+  std::printf("  %-52s %10.0f B  (gradients %.0f B; ring all-reduce 2(d-1)/d x = %.0f B)\n",
+              "bytes all-reduced per rank and step", dp_bytes, grad_bytes, grad_bytes);
   conditions.print_end();
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
-      "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f\n",
-      speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us);
+      "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f dp_speedup=%.2f "
+      "dp_overlap=%.2f\n",
+      speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us, dp_speedup.median,
+      dp_overlap.median);
   return failed ? 1 : 0;
 }

@@ -159,14 +159,18 @@ TEST_SUITE("distributed save and resume") {
       CAPTURE(fused);
       const auto root = scratch(fused ? "fused" : "unfused");
       const auto whole = run_ranks(
-          2, [&](int rank) { Job{fused}.run(rank); }, 60s);
+          2,
+          [&](int rank) {
+            Job{fused, -1, {}, {}}.run(rank);
+          },
+          60s);
       REQUIRE(whole[0].status == 0);
       REQUIRE(whole[1].status == 0);
 
       const auto killed = run_ranks(
           2,
           [&](int rank) {
-            Job{fused, /*kill_at=*/3, root}.run(rank);
+            Job{fused, /*kill_at=*/3, root, {}}.run(rank);
           },
           60s);
       CHECK(killed[1].status == -SIGKILL);

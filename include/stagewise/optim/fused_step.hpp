@@ -253,6 +253,26 @@ class FusedStep {
   /// The optimizer of parameter `i` (one group, one parameter), e.g. to read its state.
   torch::optim::Optimizer& optimizer(std::size_t i) { return *state().slots.at(i)->optimizer; }
 
+  /// The index of parameter `p` (as `parameters()` lists them); an error naming the fix if `p`
+  /// is not one of them.
+  std::size_t index_of(const torch::Tensor& p, const char* what = "index_of") {
+    return find(p, what).index;
+  }
+
+  /// Steps parameter `i` on its gradient now and frees it, as its hook does on its last
+  /// gradient: for a caller that decides when a gradient is final, with the hooks detached
+  /// (`distributed::DataParallel` steps each parameter once its averaged gradient is written).
+  /// A parameter without a gradient does not step. Not counted by `finish_step`.
+  void step_parameter(std::size_t i) {
+    auto& slot = *state().slots.at(i);
+    TORCH_CHECK(!state().attached,
+                "stagewise::optim::FusedStep::step_parameter: the hooks are "
+                "attached, so parameters step from backward already; call detach() first");
+    slot.use_gradient();
+    slot.updates.fetch_sub(1, std::memory_order_relaxed);
+    state().shared.updated.fetch_sub(1, std::memory_order_relaxed);
+  }
+
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
   /// unfused one's. `torch::save(fused, file)` calls this.
