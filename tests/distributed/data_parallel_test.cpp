@@ -4,6 +4,7 @@
 
 #include "stagewise/distributed.hpp"
 #include "stagewise/optim/fused_step.hpp"
+#include "stagewise/stagewise.hpp"
 
 #include <torch/torch.h>
 
@@ -46,6 +47,26 @@ struct TwoHeadsImpl : torch::nn::Module {
   torch::nn::Linear body, a, b;
 };
 TORCH_MODULE(TwoHeads);
+
+// A checkpointed block (its recompute runs in a nested backward) and two towers whose backward
+// runs on a thread pool (ParallelBranches): the reduction hooks fire inside both.
+struct TowersImpl : torch::nn::Module {
+  TowersImpl()
+      : body(register_module("body", torch::nn::Linear(6, 8))),
+        block(register_module("block", torch::nn::Linear(8, 8))),
+        towers(register_module(
+            "towers", sw::ParallelBranches(torch::nn::Linear(8, 3), torch::nn::Linear(8, 3)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(body->forward(x));
+    h = sw::checkpoint([this](const torch::Tensor& t) { return torch::tanh(block->forward(t)); },
+                       h);
+    const auto ys = towers->forward(h);
+    return ys[0] + ys[1];
+  }
+  torch::nn::Linear body, block;
+  sw::ParallelBranches towers;
+};
+TORCH_MODULE(Towers);
 
 TwoHeads model(std::uint64_t seed) {
   torch::manual_seed(seed);
@@ -201,6 +222,43 @@ TEST_SUITE("data parallel") {
     check_equal_to_one_process(train(2, "fused_adam", "always", false));
     check_equal_to_one_process(train(3, "fused_adam", "always", true));
     check_equal_to_one_process(train(2, "fused_adam", "odd_steps_off", false));
+  }
+
+  TEST_CASE("a checkpointed block and parallel towers: hooks in nested and pooled backward") {
+    const auto r = run_ranks(
+        2,
+        [](int rank) {
+          torch::manual_seed(rank == 0 ? 1 : 7);
+          Towers m;
+          torch::manual_seed(1);
+          Towers want;
+          sw::distributed::DataParallel dp(
+              m, sw::distributed::DataParallelOptions().timeout(10s).bucket_bytes(64));
+          torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(1e-2));
+          torch::optim::Adam adam_want(want->parameters(), torch::optim::AdamOptions(1e-2));
+          for (const auto& b : data()) {
+            adam.zero_grad();
+            torch::mse_loss(dp.forward(dp.shard(b.x)), dp.shard(b.y)).backward();
+            adam.step();
+            adam_want.zero_grad();
+            torch::mse_loss(want->forward(b.x), b.y).backward();
+            adam_want.step();
+          }
+          double worst = 0;
+          auto g = m->parameters(), w = want->parameters();
+          for (std::size_t i = 0; i < g.size(); ++i) {
+            worst = std::max(
+                worst, ((g[i] - w[i]).abs() / w[i].abs().clamp_min(1e-3)).max().item<double>());
+          }
+          report(std::to_string(worst));
+        },
+        60s);
+    for (const auto& o : r) {
+      INFO(o.text);
+      REQUIRE(o.status == 0);
+      CHECK(std::stod(o.text) < 1e-5);
+    }
+    MESSAGE("checkpoint and ParallelBranches: largest relative difference " << r[0].text);
   }
 
   TEST_CASE("small buckets (one parameter each) reduce the same") {
