@@ -321,6 +321,26 @@ TEST_SUITE("data parallel") {
                      "' got a gradient in a backward that did not start from a marked "
                      "output, so it would not be averaged over the ranks"));
     }
+    // A fused step attached to the parameters would step on each rank's own gradients.
+    r = run_ranks(
+        2,
+        [](int) {
+          auto m = model(1);
+          sw::distributed::DataParallel dp(m, sw::distributed::DataParallelOptions().timeout(10s));
+          sw::optim::FusedStep fused(m->parameters(), torch::optim::AdamOptions(1e-2));
+          report(error_of([&] { dp.forward(torch::randn({6, 6}), true).sum().backward(); }));
+        },
+        60s);
+    for (const auto& o : r) {
+      INFO(o.text);
+      CHECK(contains(o.text, "stagewise::distributed::DataParallel: parameter '"));
+      CHECK(contains(o.text,
+                     "got a gradient in this backward, but another hook freed it before "
+                     "it was averaged over the ranks (an optim::FusedStep attached to "
+                     "these parameters steps on this rank's gradient alone, and the ranks "
+                     "drift apart); give the fused step to DataParallel::step_with(fused), "
+                     "which steps on the averages"));
+    }
     // Replicas that built different models.
     r = run_ranks(
         2,

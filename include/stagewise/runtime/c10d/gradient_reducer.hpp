@@ -288,14 +288,25 @@ class GradientReducer {
       // How many ranks gave each parameter a gradient.
       auto used = torch::empty({static_cast<std::int64_t>(params.size())}, torch::kFloat);
       auto* u = used.data_ptr<float>();
+      std::ostringstream taken;  // got a gradient here, but another hook freed it
+      int n_taken = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
-        u[i] = (ready[i] || accumulated[i]) ? 1.0F : 0.0F;
+        const bool mine = ready[i] || accumulated[i];
+        u[i] = mine ? 1.0F : 0.0F;
+        if (mine && !params[i].tensor.grad().defined()) {
+          taken << (n_taken++ ? ", " : "") << params[i].name;
+        }
       }
       accumulated.assign(params.size(), 0);
       std::vector<at::Tensor> counts{used};
       auto count_work = group.all_reduce_sum(counts);
       count_work->wait();
       for (auto& b : buckets) b.work->wait();
+      TORCH_CHECK(n_taken == 0, options.who, ": ", taken.str(),
+                  " got a gradient in this backward, but another hook freed it before it was "
+                  "averaged over the ranks (an optim::FusedStep attached to these parameters steps "
+                  "on this rank's gradient alone, and the ranks drift apart); give the fused step "
+                  "to DataParallel::step_with(fused), which steps on the averages");
       const float world = static_cast<float>(group.size());
       std::ostringstream partly;
       int n_partly = 0;
