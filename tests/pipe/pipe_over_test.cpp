@@ -69,21 +69,21 @@ class WireEnd {
     if (m && k.stage != source(k)) ++traffic_.messages_received;
     return m;
   }
+  // The mailboxes first, then the word: a rank that sees `failed` set finds its mailbox's first
+  // error already there (the one the pipe rethrows), as C10dTransport::abort orders it.
   void abort(std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lock(wire_->mutex);
-      if (wire_->failed < 0) {
-        wire_->failed = rank_;
-        try {
-          std::rethrow_exception(e);
-        } catch (const std::exception& x) {
-          wire_->what = x.what();
-        } catch (...) {
-        }
-      }
-      wire_->changed.notify_all();
-    }
     for (auto& box : wire_->inbox) box.abort(e);
+    std::lock_guard<std::mutex> lock(wire_->mutex);
+    if (wire_->failed < 0) {
+      wire_->failed = rank_;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& x) {
+        wire_->what = x.what();
+      } catch (...) {
+      }
+    }
+    wire_->changed.notify_all();
   }
   void begin_step(const sw::schedule::Plan& plan,
                   const std::vector<sw::schedule::SkipRoute>& routes) {
