@@ -21,6 +21,14 @@ enum class Phase {
   weight_grad,  ///< zero-bubble's weight-gradient half of the backward (W)
 };
 
+namespace detail {
+// An exception's message without a c10::Error's backtrace (its what() adds one).
+inline std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+}  // namespace detail
+
 /// The phase's name as error contexts print it ("forward", "input-gradient backward" ...).
 inline const char* to_string(Phase phase) {
   switch (phase) {

@@ -9,6 +9,7 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/core/rng.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
@@ -245,11 +246,6 @@ class PipeOver : public PlacedStages {
     }
   }
 
-  static std::string text_of(const std::exception& e) {
-    if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-    return e.what();
-  }
-
   void save_state(const std::string& dir, std::int64_t step, const SaveOptimizer& optimizer) {
     std::string failure;
     try {
@@ -283,7 +279,7 @@ class PipeOver : public PlacedStages {
       }
       write_whole(a, rank_file(dir, process_rank()));
     } catch (const std::exception& e) {
-      failure = "could not save to " + dir + ": " + text_of(e);
+      failure = "could not save to " + dir + ": " + message_of(e);
     }
     agree("save", failure, "the save in " + dir + " is incomplete and cannot be loaded");
   }
@@ -335,7 +331,7 @@ class PipeOver : public PlacedStages {
         modules[j] = std::make_unique<SavedModuleState>(*stages_[j]->spec.module, m, path);
       }
     } catch (const std::exception& e) {
-      failure = text_of(e);
+      failure = message_of(e);
     }
     agree("load", failure, "nothing was loaded");
     const auto steps = gather("load", std::to_string(step));
@@ -354,7 +350,7 @@ class PipeOver : public PlacedStages {
       if (optimizer) optimizer(optimizer_archive);
       RngState::load(rng_archive).restore();
     } catch (const std::exception& e) {
-      failure = "could not load " + dir + ": " + text_of(e);
+      failure = "could not load " + dir + ": " + message_of(e);
     }
     agree("load", failure,
           "this pipe may be partly loaded: load a save again, or build a new pipe");

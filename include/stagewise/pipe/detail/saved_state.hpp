@@ -39,19 +39,28 @@ inline void write_whole(torch::serialize::OutputArchive& archive, const std::str
   TORCH_CHECK(!ec, "could not rename ", temporary, " to ", path, ": ", ec.message());
 }
 
-/// Writes a stage's parameters and buffers (by name, in order) into `archive`.
+/// A stage's defined parameters, then its defined buffers, by name: what a save holds of it.
+inline std::vector<std::pair<std::string, torch::Tensor>> module_tensors(
+    const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    if (p.value().defined()) out.emplace_back(p.key(), p.value());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.emplace_back(b.key(), b.value());
+  }
+  return out;
+}
+
+/// Writes a stage's parameters and buffers (module_tensors) into `archive`.
 inline void write_module_state(const torch::nn::Module& module,
                                torch::serialize::OutputArchive& archive) {
-  std::int64_t count = 0;
-  auto put = [&](const std::string& name, const torch::Tensor& t) {
-    if (!t.defined()) return;
-    archive.write("name" + std::to_string(count), c10::IValue(name));
-    archive.write("tensor" + std::to_string(count), t.detach(), /*is_buffer=*/true);
-    ++count;
-  };
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) put(p.key(), p.value());
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) put(b.key(), b.value());
-  archive.write("tensors", c10::IValue(count));
+  const auto tensors = module_tensors(module);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    archive.write("name" + std::to_string(i), c10::IValue(tensors[i].first));
+    archive.write("tensor" + std::to_string(i), tensors[i].second.detach(), /*is_buffer=*/true);
+  }
+  archive.write("tensors", c10::IValue(static_cast<std::int64_t>(tensors.size())));
 }
 
 /// A stage's saved tensors, read and checked against `module` (names, shapes, dtypes) without
@@ -61,13 +70,7 @@ class SavedModuleState {
  public:
   SavedModuleState(const torch::nn::Module& module, torch::serialize::InputArchive& archive,
                    const std::string& file) {
-    std::vector<std::pair<std::string, torch::Tensor>> mine;
-    for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-      if (p.value().defined()) mine.emplace_back(p.key(), p.value());
-    }
-    for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-      if (b.value().defined()) mine.emplace_back(b.key(), b.value());
-    }
+    const auto mine = module_tensors(module);
     c10::IValue v;
     archive.read("tensors", v);
     TORCH_CHECK(v.toInt() == static_cast<std::int64_t>(mine.size()), file, " holds ", v.toInt(),

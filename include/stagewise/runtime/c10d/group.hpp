@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 
@@ -183,8 +184,7 @@ inline void ignore_sigpipe() {
 }
 
 inline std::string what_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
+  return ::stagewise::detail::message_of(e);
 }
 
 }  // namespace detail
