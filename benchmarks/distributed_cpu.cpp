@@ -9,7 +9,12 @@
 // one process on the whole batch of 128 rows; the bytes each rank all-reduces per step against
 // the ring all-reduce's 2(d-1)/d x the gradients' size; and the share of the reductions' time
 // hidden behind backward: 1 - (DP step - the same step without communication) / (the step's
-// all-reduces alone).
+// all-reduces alone). Then pipeline x data parallel: 2 stages x 2 replicas on 4 more ranks
+// (distributed::Options().data_parallel(2), 1 MiB buckets; rank r runs stage r % 2 of replica
+// r / 2), each replica on its 64 rows, against the one-replica pipe on 2 ranks on the whole batch
+// (the "distributed, gpipe" step above), alternating in rounds; and the bytes each rank
+// all-reduces per step against the ring all-reduce's 2(d-1)/d x its stage's gradients; as a check,
+// one step's loss and stage 0's gradient norm against the one-replica pipe's.
 //   ./bazelw run -c opt //benchmarks:distributed_cpu [-- --blas=openblas]
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
@@ -41,7 +46,8 @@ using sw::bench::median_us;
 namespace {
 
 constexpr int kRounds = 7;
-constexpr int kSteps = 10;  // timed steps per variant and round (median taken)
+constexpr int kSteps = 10;    // timed steps per variant and round (median taken)
+constexpr int kReplicas = 2;  // the 2x2 pipe's replicas, of 2 stages (ranks) each
 
 torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
   return torch::mse_loss(o, t);
@@ -63,7 +69,7 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
 
 // One rank of the distributed pipe: runs a variant when the parent asks ('g' gpipe, 'o' 1F1B,
 // 'e' the end-of-step agreement alone, 'q' quit) and, on rank 0, answers with the median step
-// time in microseconds.
+// time in microseconds; 'l': one gpipe step, then the loss and the norm of stage 0's gradients.
 [[noreturn]] void rank_main(int rank, int port, int commands, int answers) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
@@ -108,6 +114,17 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
       for (auto& w : works) w->wait();
     };
     for (char c; ::read(commands, &c, 1) == 1 && c != 'q';) {
+      if (c == 'l') {
+        for (auto& p : params) p.mutable_grad() = torch::Tensor();
+        const double loss = pipe->train_step(x, t, mse, sw::schedule::gpipe{}).item<double>();
+        double norm2 = 0;
+        for (const auto& p : params) norm2 += p.grad().pow(2).sum().item<double>();
+        const double answer[2] = {loss, std::sqrt(norm2)};
+        if (rank == 0) {
+          [[maybe_unused]] auto n = ::write(answers, answer, sizeof answer);
+        }
+        continue;
+      }
       if (c == 'd' || c == 'n' || c == 'r' || c == 'b') {
         double us = 0;
         if (c == 'd') us = median_us(dp_step, kSteps, 2);
@@ -147,6 +164,61 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
   ::_exit(code);
 }
 
+// One rank of the 2-stage x 2-replica pipe, a job of 4 ranks of its own (rank r runs stage r % 2
+// of replica r / 2). It joins the job at the first command, so that the 2-rank job's rows above
+// are measured without it. 'p': a GPipe step of the replica's 64 rows, the median step time in
+// microseconds; 'y': one step, then the bytes it all-reduces, its stage's gradient bytes, the
+// loss and the norm of its stage's gradients; 'q' quit. Rank 0 (stage 0 of replica 0) answers.
+[[noreturn]] void replica_rank_main(int rank, int port, int commands, int answers) {
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(2 * kReplicas).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  int code = 0;
+  try {
+    char c = 'q';
+    if (::read(commands, &c, 1) != 1 || c == 'q') ::_exit(0);
+    at::set_num_threads(1);
+    const auto job = sw::runtime::connect(sw::runtime::rendezvous_env());
+    const auto dist =
+        sw::distributed::Options().data_parallel(kReplicas).bucket_bytes(1 << 20).transport(
+            sw::runtime::C10dOptions().prefix("distributed_cpu/pp_dp"));
+    sw::distributed::Pipe pipe(job, model(), sw::balance{4, 4},
+                               sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::never), dist);
+    auto [x, t] = batch();
+    const auto sx = pipe->shard(x), st = pipe->shard(t);
+    auto params = pipe->parameters();
+    torch::Tensor loss;
+    auto step = [&] {
+      for (auto& p : params) p.mutable_grad() = torch::Tensor();
+      loss = pipe->train_step(sx, st, mse, sw::schedule::gpipe{});
+    };
+    do {
+      std::vector<double> answer;
+      if (c == 'p') answer.push_back(median_us(step, kSteps, 2));
+      if (c == 'y') {
+        step();
+        double grad_bytes = 0, norm2 = 0;
+        for (const auto& g : params) {
+          grad_bytes += static_cast<double>(g.grad().nbytes());
+          norm2 += g.grad().pow(2).sum().item<double>();
+        }
+        answer = {static_cast<double>(pipe->bytes_reduced_last_step()), grad_bytes,
+                  loss.item<double>(), std::sqrt(norm2)};
+      }
+      if (rank == 0) {
+        [[maybe_unused]] auto n = ::write(answers, answer.data(), answer.size() * sizeof(double));
+      }
+    } while (::read(commands, &c, 1) == 1 && c != 'q');
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "2x2 rank %d: %s\n", rank, e.what());
+    code = 1;
+  }
+  std::fflush(stdout);
+  ::_exit(code);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,15 +235,35 @@ int main(int argc, char** argv) {
     if (pid == 0) rank_main(r, port, commands[r][0], answers[1]);
     ranks.push_back(pid);
   }
-  auto ask = [&](char c) {
-    for (int r = 0; r < 2; ++r) {
-      TORCH_CHECK(::write(commands[r][1], &c, 1) == 1, "distributed_cpu: a rank is gone");
+  // The 2x2 pipe's job: 4 more ranks, on a port of their own.
+  int replica_port = bench::free_loopback_port("distributed_cpu");
+  while (replica_port == port) replica_port = bench::free_loopback_port("distributed_cpu");
+  int replica_commands[2 * kReplicas][2], replica_answers[2];
+  TORCH_CHECK(::pipe(replica_answers) == 0, "distributed_cpu: pipe() failed");
+  for (int r = 0; r < 2 * kReplicas; ++r) {
+    TORCH_CHECK(::pipe(replica_commands[r]) == 0, "distributed_cpu: pipe() failed");
+    const pid_t pid = ::fork();
+    if (pid == 0) replica_rank_main(r, replica_port, replica_commands[r][0], replica_answers[1]);
+    ranks.push_back(pid);
+  }
+  // Sends a command to a job's ranks and reads `n` numbers from its rank 0.
+  auto ask_job = [](const std::vector<int>& to, int from, char c, std::size_t n) {
+    for (const int fd : to) {
+      TORCH_CHECK(::write(fd, &c, 1) == 1, "distributed_cpu: a rank is gone");
     }
-    double us = NAN;
-    TORCH_CHECK(::read(answers[0], &us, sizeof us) == sizeof us,
-                "distributed_cpu: rank 0 did not answer (see its error above)");
-    return us;
+    std::vector<double> answer(n, NAN);
+    auto* bytes = reinterpret_cast<char*>(answer.data());
+    for (std::size_t got = 0; got < n * sizeof(double);) {
+      const auto k = ::read(from, bytes + got, n * sizeof(double) - got);
+      TORCH_CHECK(k > 0, "distributed_cpu: rank 0 did not answer (see its error above)");
+      got += static_cast<std::size_t>(k);
+    }
+    return answer;
   };
+  const std::vector<int> to_pipe{commands[0][1], commands[1][1]};
+  std::vector<int> to_replicas;
+  for (auto& c : replica_commands) to_replicas.push_back(c[1]);
+  auto ask = [&](char c) { return ask_job(to_pipe, answers[0], c, 1)[0]; };
 
   at::set_num_threads(1);
   bench::Conditions conditions("distributed_cpu");
@@ -235,7 +327,7 @@ int main(int argc, char** argv) {
   };
   std::vector<double> one_us, dp_us, local_us, reduce_us, dp_speedups, overlaps;
   for (int round = 0; round < kRounds; ++round) {
-    double u[4];
+    double u[4] = {};
     for (int k = 0; k < 4; ++k) {
       switch ((round + k) % 4) {
         case 0:
@@ -261,9 +353,33 @@ int main(int argc, char** argv) {
   const double dp_bytes = ask('b');
   double grad_bytes = 0;
   for (const auto& p : whole->parameters()) grad_bytes += static_cast<double>(p.nbytes());
-  for (int r = 0; r < 2; ++r) {
+  // Pipeline x data parallel: the 2x2 pipe's GPipe step (each replica on its 64 rows) against
+  // the one-replica pipe's on the whole batch, alternating; each ratio within a round. The 2x2
+  // job starts at its first command (not timed: median_us warms up first).
+  std::vector<double> one_replica_us, pp_dp_us, pp_dp_speedups;
+  for (int round = 0; round < kRounds; ++round) {
+    double u[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      if ((round + k) % 2 == 0) {
+        u[0] = ask('g');
+      } else {
+        u[1] = ask_job(to_replicas, replica_answers[0], 'p', 1)[0];
+      }
+    }
+    one_replica_us.push_back(u[0]);
+    pp_dp_us.push_back(u[1]);
+    pp_dp_speedups.push_back(u[0] / u[1]);
+  }
+  // bytes all-reduced, stage 0's gradient bytes, loss, stage 0's gradient norm
+  const auto pp_dp_step = ask_job(to_replicas, replica_answers[0], 'y', 4);
+  const auto one_replica_step = ask_job(to_pipe, answers[0], 'l', 2);  // loss, gradient norm
+  for (const int fd : to_pipe) {
     const char q = 'q';
-    [[maybe_unused]] auto n = ::write(commands[r][1], &q, 1);
+    [[maybe_unused]] auto n = ::write(fd, &q, 1);
+  }
+  for (const int fd : to_replicas) {
+    const char q = 'q';
+    [[maybe_unused]] auto n = ::write(fd, &q, 1);
   }
   int failed = 0;
   for (auto pid : ranks) {
@@ -312,12 +428,34 @@ int main(int argc, char** argv) {
   // d = 2: the ring all-reduce moves 2(d-1)/d = 1 x the gradients per rank.
   std::printf("  %-52s %10.0f B  (gradients %.0f B; ring all-reduce 2(d-1)/d x = %.0f B)\n",
               "bytes all-reduced per rank and step", dp_bytes, grad_bytes, grad_bytes);
+  std::printf(
+      "# pipeline x data parallel: 2 stages x %d replicas on %d ranks (rank r: stage r %% 2 of "
+      "replica r / 2), %d rows and chunks 8 per replica, buckets of 1 MiB, gpipe; against the "
+      "one-replica pipe on 2 ranks and 128 rows; %d rounds\n",
+      kReplicas, 2 * kReplicas, 128 / kReplicas, kRounds);
+  bench::print_figure("one replica: 2 stages on 2 ranks, 128 rows",
+                      bench::summarize(one_replica_us), "us");
+  bench::print_figure("2 stages x 2 replicas on 4 ranks, 64 rows each", bench::summarize(pp_dp_us),
+                      "us");
+  const auto pp_dp_speedup = bench::summarize(pp_dp_speedups);
+  bench::print_figure("2x2: speed-up vs one replica", pp_dp_speedup, "x");
+  // Per rank, of its stage's gradients (rank 0: stage 0); d = 2 replicas.
+  const double stage_bytes = pp_dp_step[1];
+  std::printf("  %-52s %10.0f B  (stage gradients %.0f B; ring all-reduce 2(d-1)/d x = %.0f B)\n",
+              "bytes all-reduced per rank and step (2x2)", pp_dp_step[0], stage_bytes,
+              2.0 * (kReplicas - 1) / kReplicas * stage_bytes);
+  // The same model and global batch: the 2x2 pipe's mean loss and averaged gradients should be
+  // the one-replica pipe's (rounding aside).
+  std::printf("  %-52s %10.1e  (stage 0's gradient norm: %.1e)\n",
+              "2x2 vs one replica: relative difference of the loss",
+              std::abs(pp_dp_step[2] - one_replica_step[0]) / std::abs(one_replica_step[0]),
+              std::abs(pp_dp_step[3] - one_replica_step[1]) / std::abs(one_replica_step[1]));
   conditions.print_end();
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
       "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f dp_speedup=%.2f "
-      "dp_overlap=%.2f\n",
+      "dp_overlap=%.2f pp_dp_speedup=%.2f\n",
       speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us, dp_speedup.median,
-      dp_overlap.median);
+      dp_overlap.median, pp_dp_speedup.median);
   return failed ? 1 : 0;
 }

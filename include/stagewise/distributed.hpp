@@ -8,5 +8,6 @@
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"
+#include "stagewise/runtime/c10d/subgroup.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
 #include "stagewise/schedule/comms.hpp"

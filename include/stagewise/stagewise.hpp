@@ -46,6 +46,7 @@
 #include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/reductions.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/timeline.hpp"

@@ -11,6 +11,7 @@
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/reductions.hpp"
 #include "stagewise/schedule/timeline.hpp"
 
 #include <torch/autograd.h>
@@ -57,6 +58,9 @@ struct TrainStep {
   bool training = true;
   std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
   std::shared_ptr<::stagewise::runtime::detail::TrainSkips> skips;  // skip connections; null: none
+  /// Called on the worker with stage j once its parameters' gradients of the step are final (after
+  /// the stage's last B or W), e.g. to start reducing them; null: nothing is called.
+  std::function<void(int)> gradients_ready;
 };
 
 namespace detail {
@@ -340,7 +344,18 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
         .count();
   };
 
-  for (const auto& a : plan.programs[static_cast<std::size_t>(w)]) {
+  const auto& program = plan.programs[static_cast<std::size_t>(w)];
+  // Where each stage's gradients are final here (schedule::reductions), for gradients_ready.
+  std::vector<std::size_t> last_grad(step.gradients_ready ? static_cast<std::size_t>(n) : 0,
+                                     program.size());
+  if (step.gradients_ready) {
+    const auto points = schedule::reductions(plan);  // kept: the loop reads one of its rows
+    for (const auto& p : points[static_cast<std::size_t>(w)]) {
+      last_grad[static_cast<std::size_t>(p.stage)] = p.after;
+    }
+  }
+  for (std::size_t k = 0; k < program.size(); ++k) {
+    const auto& a = program[k];
     const int j = a.stage;
     const int i = a.micro;
     TORCH_CHECK(stages[static_cast<std::size_t>(j)] != nullptr, "stagewise::train_step: worker ", w,
@@ -375,6 +390,9 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
       throw;
     }
     if (record) record->push_back({a, w, start, now(), start - ready});
+    if (step.gradients_ready && last_grad[static_cast<std::size_t>(j)] == k) {
+      step.gradients_ready(j);
+    }
   }
   return total;
 }

@@ -11,6 +11,7 @@
 #include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/core/rng.hpp"
+#include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
@@ -26,6 +27,7 @@
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/reductions.hpp"
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/skip/detail/inspect.hpp"
 #include "stagewise/skip/layout.hpp"
@@ -41,6 +43,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -92,6 +95,18 @@ class PipeOver : public PlacedStages {
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
+    if (reduces_gradients()) {
+      if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
+        return with_reduced_fused_step(fused, [&] {
+          return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
+        });
+      } else {
+        TORCH_CHECK(false, where_,
+                    ": a data-parallel pipe fuses only an optim::FusedStep into backward (it "
+                    "steps each parameter on its gradient averaged over the replicas); pass one, "
+                    "or call train_step without it and step your optimizer after");
+      }
+    }
     return with_fused_step(fused, [&](const std::function<void(int)>& before) {
       return run_step(input, target, std::move(loss_fn), sched, before, timeline);
     });
@@ -208,6 +223,23 @@ class PipeOver : public PlacedStages {
   /// Called with the step's number of micro-batches just before its workers start.
   virtual void begin_micro_batches(int /*micro_batches*/) {}
 
+  /// Data parallelism: whether this pipe averages its stages' gradients with other replicas of
+  /// it. Then `gradients_ready(j)` is called on stage j's worker once the stage's gradients of
+  /// the step are final (to start reducing them), and `finish_gradients(loss, dtype, rows)` on
+  /// every process after the loss arrived (this replica's mean loss over its `rows` rows), before
+  /// the step ends: it completes the reductions and returns the loss to return (the global mean).
+  /// A failure there fails the step on every process.
+  virtual bool reduces_gradients() const { return false; }
+  virtual void gradients_ready(int /*stage*/) {}
+  virtual torch::Tensor finish_gradients(const torch::Tensor& loss, std::int64_t /*rows*/) {
+    return loss;
+  }
+  /// Makes the reductions step `fused`'s parameters as their averages are written (null: not).
+  virtual void step_after_reduction(optim::FusedStep* /*fused*/) {}
+  /// Whether this process writes its stages' files in a save (data-parallel replicas hold the
+  /// same stages: only the first replica writes them, every replica reads them).
+  virtual bool writes_stage_files() const { return true; }
+
   std::string who_;
   std::string where_;  // "<who>::train_step", opening train_step's errors
   PipeOptions options_;
@@ -251,7 +283,7 @@ class PipeOver : public PlacedStages {
     try {
       std::filesystem::create_directories(dir);
       for (std::size_t j = 0; j < stages_.size(); ++j) {
-        if (!stages_[j]) continue;
+        if (!stages_[j] || !writes_stage_files()) continue;
         torch::serialize::OutputArchive a;
         a.write("format", c10::IValue(kSaveFormat));
         a.write("stage", c10::IValue(static_cast<std::int64_t>(j)));
@@ -357,6 +389,30 @@ class PipeOver : public PlacedStages {
     return step;
   }
 
+  // A fused step on a data-parallel pipe: the fused step's hooks are off during the step (they
+  // would step on this replica's gradients alone); the reductions step each parameter on its
+  // average instead, and the hooks are back afterwards, with no gradient left pending.
+  template <class Run>
+  torch::Tensor with_reduced_fused_step(optim::FusedStep& fused, Run&& run) {
+    const bool attached = fused.attached();
+    if (attached) fused.detach();
+    auto restore = [&] {
+      step_after_reduction(nullptr);
+      if (attached) fused.attach();
+      fused.reset_step();
+    };
+    torch::Tensor loss;
+    try {
+      step_after_reduction(&fused);
+      loss = run();
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+    return loss;
+  }
+
   template <class Schedule>
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,
@@ -394,9 +450,15 @@ class PipeOver : public PlacedStages {
       step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
     }
     step.loss_fn = std::move(loss_fn);
+    if (reduces_gradients()) step.gradients_ready = [this](int j) { gradients_ready(j); };
     step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
+    // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
+    // the transport verifies the pipeline's messages.
+    if (reduces_gradients()) {
+      if (auto problem = schedule::check_reductions(plan)) TORCH_CHECK(false, *problem);
+    }
     if (!skips_->empty()) {
       step.skips = std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(),
                                                                  static_cast<std::size_t>(m));
@@ -428,10 +490,31 @@ class PipeOver : public PlacedStages {
     try {
       // The last stage's process has the loss; every process returns it, and only once every
       // process finished the step (a failure anywhere fails the step everywhere).
-      loss = transport_->share(loss, placement.back(), /*index=*/1);
-      TORCH_CHECK(loss.defined(), where,
-                  ": this process stopped before the step's loss arrived "
-                  "(it aborted); build a new pipe");
+      if (reduces_gradients()) {
+        // The loss with its dtype and the replica's rows, which the replicas' mean weighs.
+        torch::Tensor value;
+        if (last) {
+          const auto rows = static_cast<double>(target[0].size(0));
+          const auto dtype = static_cast<double>(static_cast<int>(loss.scalar_type()));
+          value = torch::stack({loss.detach().to(torch::kCPU, torch::kDouble).reshape({}),
+                                torch::tensor(rows, torch::kDouble),
+                                torch::tensor(dtype, torch::kDouble)});
+        }
+        const torch::Tensor shared = transport_->share(value, placement.back(), /*index=*/1);
+        TORCH_CHECK(shared.defined(), where,
+                    ": this process stopped before the step's loss arrived "
+                    "(it aborted); build a new pipe");
+        if (!last) {
+          const auto dtype = static_cast<c10::ScalarType>(shared[2].item<double>());
+          loss = shared[0].to(dtype);
+        }
+        loss = finish_gradients(loss, static_cast<std::int64_t>(shared[1].item<double>()));
+      } else {
+        loss = transport_->share(loss, placement.back(), /*index=*/1);
+        TORCH_CHECK(loss.defined(), where,
+                    ": this process stopped before the step's loss arrived "
+                    "(it aborted); build a new pipe");
+      }
       transport_->end_step();
     } catch (...) {
       transport_->abort(std::current_exception());  // the others stop too

@@ -37,6 +37,12 @@ struct ReducerOptions {
   bool unused_parameters = false;
   /// Opens every error ("stagewise::distributed::DataParallel").
   std::string who = "stagewise::runtime::GradientReducer";
+  /// Whether backward drives the reduction (hooks on the parameters' gradient accumulators, from
+  /// `mark`ed outputs); false: the caller does, with `launch()` once the gradients are final and
+  /// `complete()` (a pipeline stage after its last backward of a step).
+  bool from_backward = true;
+  /// The option that allows partly used parameters, as the error for them names it.
+  std::string unused_fix = "DataParallelOptions().unused_parameters(true)";
 };
 
 class GradientReducer {
@@ -64,7 +70,7 @@ class GradientReducer {
       s.params.push_back(std::move(p));
     }
     s.plan_buckets();
-    s.hook_all();
+    if (s.options.from_backward) s.hook_all();
     std::lock_guard<std::mutex> lock(registry_mutex());
     id_ = next_id()++;
     registry()[id_] = state_;
@@ -84,8 +90,46 @@ class GradientReducer {
   /// reduces the gradients of this reducer's parameters when it ends. Mark a module's outputs
   /// (DataParallel's forward does).
   torch::Tensor mark(const torch::Tensor& x) const {
+    TORCH_CHECK(state_->options.from_backward, state_->options.who,
+                ": this reducer is driven by launch() and complete(), not by backward; build it "
+                "with ReducerOptions::from_backward true to mark outputs");
     if (!x.defined() || !x.requires_grad() || !torch::GradMode::is_enabled()) return x;
     return BackwardStart::apply(x, static_cast<std::int64_t>(id_));
+  }
+
+  /// Starts averaging the gradients as they are now (`ReducerOptions::from_backward` false):
+  /// every bucket's all-reduce, in bucket order, and the count of ranks that gave each parameter
+  /// a gradient, all asynchronously. A parameter without a gradient adds zeros. Every rank of
+  /// the group calls it, in the same order as its other collectives on the group; `complete()`
+  /// then waits and writes the averages.
+  void launch() {
+    auto& s = *state_;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    TORCH_CHECK(!s.options.from_backward, s.options.who,
+                ": launch() is for a reducer built with ReducerOptions::from_backward false");
+    TORCH_CHECK(!s.launched_by_hand, s.options.who,
+                ": launch() was called twice without complete() between");
+    s.start_round();
+    for (std::size_t i = 0; i < s.params.size(); ++i) {
+      s.ready[i] = s.params[i].tensor.grad().defined() ? 1 : 0;
+    }
+    for (auto& b : s.buckets) b.pending = 0;
+    s.launch_ready();
+    s.launch_counts();
+    s.launched_by_hand = true;
+  }
+
+  /// Waits for what `launch()` started (each through `wait(work, what)` if given, e.g. to fail
+  /// as the job's other communication does; else work->wait()), checks that every rank gave a
+  /// parameter a gradient or none did (see ReducerOptions::unused_parameters), and writes the
+  /// averages into the gradients, calling `set_after_reduce`'s function bucket by bucket.
+  void complete(const std::function<void(const c10::intrusive_ptr<c10d::Work>&,
+                                         const std::string&)>& wait = {}) {
+    auto& s = *state_;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    TORCH_CHECK(s.launched_by_hand, s.options.who, ": complete() without launch() before it");
+    s.launched_by_hand = false;
+    s.complete_locked(wait);
   }
 
   /// Off: backward passes accumulate gradients locally, unreduced (gradient accumulation); the
@@ -99,6 +143,13 @@ class GradientReducer {
   void set_after_reduce(std::function<void(std::size_t)> after) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->after_reduce = std::move(after);
+  }
+
+  /// The parameters, in the order given.
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : state_->params) out.push_back(p.tensor);
+    return out;
   }
 
   /// Number of buckets and the parameters (indices into `params`) of each.
@@ -156,6 +207,9 @@ class GradientReducer {
     std::size_t next_launch = 0;
     std::int64_t bytes = 0;
     std::function<void(std::size_t)> after_reduce;
+    torch::Tensor used;  // per parameter, 1 where this rank gave it a gradient; then summed
+    c10::intrusive_ptr<c10d::Work> count_work;
+    bool launched_by_hand = false;  // launch() ran, complete() not yet
 
     void plan_buckets() {
       std::map<std::pair<int, std::string>, std::size_t> open;  // (dtype, device) -> bucket
@@ -219,16 +273,22 @@ class GradientReducer {
       active = true;
       // A parameter given other storage in place (torch::load) has a new AccumulateGrad node.
       for (std::size_t i = 0; i < params.size(); ++i) hook(i);
+      start_round();
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_backward(); });
+    }
+
+    // A new reduction: nothing ready, nothing launched.
+    void start_round() {
       ready.assign(params.size(), 0);
       late.clear();
       next_launch = 0;
       bytes = 0;
+      count_work.reset();
       for (auto& b : buckets) {
         b.pending = b.members.size();
         b.launched = false;
         b.work.reset();
       }
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_backward(); });
     }
 
     void on_gradient(std::size_t i) {
@@ -285,23 +345,45 @@ class GradientReducer {
       active = false;
       for (auto& b : buckets) b.pending = 0;  // what is left goes now, unused parameters as zeros
       launch_ready();
-      // How many ranks gave each parameter a gradient.
-      auto used = torch::empty({static_cast<std::int64_t>(params.size())}, torch::kFloat);
+      launch_counts();
+      complete_locked({});
+    }
+
+    // Starts counting how many ranks gave each parameter a gradient.
+    void launch_counts() {
+      used = torch::empty({static_cast<std::int64_t>(params.size())}, torch::kFloat);
       auto* u = used.data_ptr<float>();
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        u[i] = (ready[i] || accumulated[i]) ? 1.0F : 0.0F;
+      }
+      std::vector<at::Tensor> counts{used};
+      count_work = group.all_reduce_sum(counts);
+    }
+
+    // Waits for the launched all-reduces, checks them and writes the averages.
+    void complete_locked(const std::function<void(const c10::intrusive_ptr<c10d::Work>&,
+                                                  const std::string&)>& wait) {
       std::ostringstream taken;  // got a gradient here, but another hook freed it
       int n_taken = 0;
       for (std::size_t i = 0; i < params.size(); ++i) {
         const bool mine = ready[i] || accumulated[i];
-        u[i] = mine ? 1.0F : 0.0F;
         if (mine && !params[i].tensor.grad().defined()) {
           taken << (n_taken++ ? ", " : "") << params[i].name;
         }
       }
       accumulated.assign(params.size(), 0);
-      std::vector<at::Tensor> counts{used};
-      auto count_work = group.all_reduce_sum(counts);
-      count_work->wait();
-      for (auto& b : buckets) b.work->wait();
+      auto await = [&](const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
+        if (wait) {
+          wait(w, what);
+        } else {
+          w->wait();
+        }
+      };
+      await(count_work, "the count of the ranks that gave each parameter a gradient");
+      for (std::size_t k = 0; k < buckets.size(); ++k) {
+        await(buckets[k].work, "bucket " + std::to_string(k) + " of the gradients");
+      }
+      const auto* u = used.data_ptr<float>();
       TORCH_CHECK(n_taken == 0, options.who, ": ", taken.str(),
                   " got a gradient in this backward, but another hook freed it before it was "
                   "averaged over the ranks (an optim::FusedStep attached to these parameters steps "
@@ -319,9 +401,9 @@ class GradientReducer {
       TORCH_CHECK(n_partly == 0 || options.unused_parameters, options.who, ": ", n_partly,
                   n_partly == 1 ? " parameter" : " parameters",
                   " got a gradient on some ranks but not on others in this backward (of ",
-                  group.size(), " ranks): ", partly.str(),
-                  ". Pass DataParallelOptions().unused_parameters(true) to reduce them with zeros "
-                  "from the others (what one process on the whole batch computes), or use every "
+                  group.size(), " ranks): ", partly.str(), ". Pass ", options.unused_fix,
+                  " to reduce them with zeros from the others (what one process on the whole batch "
+                  "computes), or use every "
                   "parameter on every rank");
       if (!late.empty()) {
         std::ostringstream names;

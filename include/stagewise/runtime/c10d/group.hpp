@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace stagewise::runtime {
@@ -93,6 +94,18 @@ struct Connection {
   /// The same group's all-reduce and broadcast (data parallelism); empty if the caller built the
   /// connection without them.
   Collectives collectives = {};
+  /// For a group inside a larger job (`runtime::subgroup`): the job rank of each of this group's
+  /// ranks, and the job's number of ranks. Errors name job ranks, and a failure is acknowledged
+  /// by every rank of the job. Empty and 0: the group is the whole job.
+  std::vector<int> job_ranks = {};
+  int job_size = 0;
+
+  /// The job rank of this group's rank `r`.
+  int job_rank(int r) const {
+    return job_ranks.empty() ? r : job_ranks.at(static_cast<std::size_t>(r));
+  }
+  /// The number of ranks of the whole job.
+  int job_world() const { return job_size > 0 ? job_size : env.world_size; }
 };
 
 /// Which c10d process group `connect` builds: Gloo (CPU tensors; every LibTorch) or NCCL (CUDA
@@ -187,6 +200,45 @@ inline std::string what_of(const std::exception& e) {
   return ::stagewise::detail::message_of(e);
 }
 
+// Builds the process group of `options.backend` over `store`, as rank `rank` of `size`: its
+// point-to-point calls and its collectives. `master_addr` picks Gloo's interface (see connect),
+// `where` names the rendezvous in errors.
+inline std::pair<PointToPoint, Collectives> make_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       int rank, int size,
+                                                       const std::string& master_addr,
+                                                       const ConnectOptions& options,
+                                                       const std::string& where) {
+  if (options.backend == Backend::nccl) {
+#ifdef USE_C10D_NCCL
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout;
+    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, nccl_options);
+    return {PointToPoint(group), Collectives(group)};
+#else
+    TORCH_CHECK(false, "stagewise: this LibTorch has no NCCL (compiled without USE_C10D_NCCL); ",
+                "use Backend::gloo, or build against a CUDA LibTorch with -DUSE_C10D_NCCL");
+#endif
+  }
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  if (ifname && *ifname) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (is_loopback(master_addr)) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  try {
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
+    return {PointToPoint(group), Collectives(group)};
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "stagewise: rank ", rank, " of ", size,
+                " could not connect to the other ranks over Gloo (rendezvous at ", where,
+                "); every rank must start within ", options.timeout.count(),
+                " ms of the others: ", what_of(e));
+  }
+}
+
 }  // namespace detail
 
 /// Joins the job `env` describes over Gloo (or NCCL, see ConnectOptions): rank 0 serves a
@@ -231,39 +283,10 @@ inline Connection connect(const RendezvousEnv& env, ConnectOptions options = {})
                 ": ", detail::what_of(e));
   }
   detail::wait_for_ranks(*store, env, deadline, options.timeout, where);
-  if (options.backend == Backend::nccl) {
-#ifdef USE_C10D_NCCL
-    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-    nccl_options->timeout = options.timeout;
-    auto group =
-        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_options);
-    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0,
-                      Collectives(group)};
-#else
-    TORCH_CHECK(false, "stagewise: this LibTorch has no NCCL (compiled without USE_C10D_NCCL); ",
-                "use Backend::gloo, or build against a CUDA LibTorch with -DUSE_C10D_NCCL");
-#endif
-  }
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-  if (ifname && *ifname) {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  } else if (detail::is_loopback(env.master_addr)) {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
-  try {
-    auto group =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
-    return Connection{env, store, PointToPoint(group), /*serves_store=*/env.rank == 0,
-                      Collectives(group)};
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "stagewise: rank ", env.rank, " of ", env.world_size,
-                " could not connect to the other ranks over Gloo (rendezvous at ", where,
-                "); every rank must start within ", options.timeout.count(),
-                " ms of the others: ", detail::what_of(e));
-  }
+  auto [p2p, collectives] =
+      detail::make_group(store, env.rank, env.world_size, env.master_addr, options, where);
+  return Connection{env, store, std::move(p2p), /*serves_store=*/env.rank == 0,
+                    std::move(collectives)};
 }
 
 }  // namespace stagewise::runtime

@@ -195,8 +195,8 @@ class C10dTransport : private detail::C10dReceiver {
     const MessageKey k = detail::step_value_key(index);
     const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
     if (from == rank()) {
-      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", rank(), " holds ",
-                  detail::describe(k), " but passed an undefined tensor");
+      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", job_rank(rank()),
+                  " holds ", detail::describe(k), " but passed an undefined tensor");
       for (int r = 0; r < group_.size(); ++r) {
         if (r != rank()) send_to(r, tag, k, Message{{value.detach()}, true}, /*counted=*/false);
       }
@@ -205,7 +205,7 @@ class C10dTransport : private detail::C10dReceiver {
     auto m = receive_from(from, tag, k, /*counted=*/false);
     if (!m) return {};
     TORCH_CHECK(m->tensors.size() == 1 && m->tensors[0].defined(),
-                "stagewise: ", detail::describe(k), " from rank ", from,
+                "stagewise: ", detail::describe(k), " from rank ", job_rank(from),
                 " is garbled; every rank must run the same program");
     return copy_to(m->tensors[0], torch::kCPU);
   }
@@ -230,8 +230,71 @@ class C10dTransport : private detail::C10dReceiver {
     for (int r = 0; r < group_.size(); ++r) {
       if (r == rank()) continue;
       TORCH_CHECK(receive_from(r, tag, k, /*counted=*/false).has_value(),
-                  "stagewise::C10dTransport::end_step: rank ", rank(),
+                  "stagewise::C10dTransport::end_step: rank ", job_rank(rank()),
                   " aborted before the step ended");
+    }
+  }
+
+  /// Waits for `work`, a collective this rank started with other ranks of the job on another
+  /// process group (`members`: their job ranks, this one's included; `what` names the collective
+  /// in errors, e.g. "the gradient reduction of stage 1"), failing as `recv` does: when any rank
+  /// of the job failed (its cause), when a member's connection closed (the cause it published,
+  /// else that it is gone), or past the timeout; every rank of the job then learns the cause.
+  /// Throws c10::Error once this process aborted.
+  ///   auto work = collectives.all_reduce_sum(tensors);
+  ///   transport.wait_collective(work, {1, 3}, "the loss's all-reduce");
+  void wait_collective(const c10::intrusive_ptr<c10d::Work>& work, const std::vector<int>& members,
+                       const std::string& what) {
+    const int me = job_rank(rank());
+    std::vector<int> others;
+    for (const int r : members) {
+      if (r != me) others.push_back(r);
+    }
+    std::string names;
+    for (std::size_t k = 0; k < others.size(); ++k) {
+      names += (k == 0 ? "" : k + 1 == others.size() ? " or " : ", ") + std::to_string(others[k]);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout();
+    auto pause = std::chrono::microseconds(20);
+    while (!work->isCompleted()) {
+      rethrow_failure();
+      TORCH_CHECK(!aborted_here(), "stagewise::C10dTransport::wait_collective: rank ", me,
+                  " aborted while waiting for ", what);
+      if (std::chrono::steady_clock::now() > deadline) {
+        publish_and_fail("rank " + std::to_string(me) + " waited more than " +
+                         std::to_string(options_.timeout().count()) + " ms for " + what +
+                         " with rank" + (others.size() == 1 ? " " : "s ") + names +
+                         "; that rank is stuck or slower than the timeout (raise "
+                         "C10dOptions::timeout if it is just slow)");
+        rethrow_failure();
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      rethrow_failure();
+      // A member that failed published why before it exited: report that (see fail_peer).
+      const auto until = std::chrono::steady_clock::now() +
+                         std::max(3 * options_.poll(), std::chrono::milliseconds(300));
+      while (!store_lost_ && std::chrono::steady_clock::now() < until) {
+        if (auto published = read_published()) {
+          fail(*published);
+          rethrow_failure();
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (others.size() == 1) acknowledge_job_rank(others.front());  // it will never read it
+      publish_and_fail((others.size() == 1 ? "rank " : "one of ranks ") + names +
+                       (others.size() == 1 ? " is" : " is") +
+                       " gone: its connection closed while rank " + std::to_string(me) +
+                       " waited for " + what +
+                       " with it; it crashed, was killed, or exited early (see its output). "
+                       "Transport error: " +
+                       detail::what_of(e));
+      rethrow_failure();
+      throw;
     }
   }
 
@@ -251,7 +314,7 @@ class C10dTransport : private detail::C10dReceiver {
     }
     wake_.notify_all();
     abort_local(e);
-    publish("rank " + std::to_string(rank()) + " failed: " + failure_text(e));
+    publish("rank " + name_of(rank()) + " failed: " + failure_text(e));
     acknowledge(rank());
     linger();
   }

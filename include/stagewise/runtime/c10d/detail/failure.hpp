@@ -42,7 +42,9 @@ class C10dFailures {
         options_(std::move(options)),
         abort_key_(options_.prefix() + "/abort"),
         seen_key_(options_.prefix() + "/abort_seen"),
-        serves_store_(c.serves_store) {
+        serves_store_(c.serves_store),
+        job_ranks_(c.job_ranks),
+        job_size_(c.job_world()) {
     ignore_sigpipe();  // also for a connection the caller built (group.hpp)
   }
   ~C10dFailures() = default;
@@ -63,6 +65,12 @@ class C10dFailures {
   };
 
   int rank() const { return group_.rank(); }
+  // The job rank of this group's rank `r` (they differ in a subgroup of a larger job), as errors
+  // name it.
+  int job_rank(int r) const {
+    return job_ranks_.empty() ? r : job_ranks_.at(static_cast<std::size_t>(r));
+  }
+  std::string name_of(int r) const { return std::to_string(job_rank(r)); }
 
   // Throws a copy of the failure `e`: each thread that learns of it gets its own exception
   // object, to which the executor may add its cell as context without touching the others'.
@@ -110,8 +118,8 @@ class C10dFailures {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     const std::string what = cause_of_lost_peer(
-        peer, "rank " + std::to_string(peer) + " is gone: its connection closed while rank " +
-                  std::to_string(rank()) + " exchanged " + detail::describe(k) +
+        peer, "rank " + name_of(peer) + " is gone: its connection closed while rank " +
+                  name_of(rank()) + " exchanged " + detail::describe(k) +
                   " with it; it crashed, was killed, or exited early (see its output). " +
                   "Transport error: " + detail::what_of(e));
     acknowledge(peer);  // it will never read the cause
@@ -130,7 +138,7 @@ class C10dFailures {
       if (!failure_) {
         first = true;
         try {
-          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", rank(), " stops too.");
+          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", job_rank(rank()), " stops too.");
         } catch (...) {
           failure_ = std::current_exception();
         }
@@ -156,7 +164,8 @@ class C10dFailures {
 
   // Tells the rank serving the store that rank `who` (this one, or a peer found dead) knows the
   // job failed, or never will (see linger).
-  void acknowledge(int who) {
+  void acknowledge(int who) { acknowledge_job_rank(job_rank(who)); }
+  void acknowledge_job_rank(int who) {
     if (store_lost_) return;
     try {
       store_->set(seen_key_ + "/" + std::to_string(who), std::vector<std::uint8_t>{1});
@@ -175,7 +184,8 @@ class C10dFailures {
       lingered_ = true;
     }
     std::vector<std::string> keys;
-    for (int r = 0; r < group_.size(); ++r) keys.push_back(seen_key_ + "/" + std::to_string(r));
+    // Every rank of the job: a subgroup's failure is the whole job's.
+    for (int r = 0; r < job_size_; ++r) keys.push_back(seen_key_ + "/" + std::to_string(r));
     const auto most = std::min<std::chrono::milliseconds>(
         options_.timeout(),
         std::max<std::chrono::milliseconds>(10 * options_.poll(), std::chrono::seconds(1)));
@@ -216,12 +226,12 @@ class C10dFailures {
   // if the store is gone too, the loss of the rank serving it (it may have died first and taken
   // the others' word with it), else `peer`'s.
   std::string cause_of_lost_peer(int peer, const std::string& peer_gone) {
-    if (store_lost_ && peer != 0) {
+    if (store_lost_ && job_rank(peer) != 0) {
       return "rank 0, which serves the job's store, is gone: the store stopped answering and "
              "rank " +
-             std::to_string(peer) + "'s connection closed while rank " + std::to_string(rank()) +
+             name_of(peer) + "'s connection closed while rank " + name_of(rank()) +
              " waited; rank 0 crashed, was killed, or exited early (see its output), and rank " +
-             std::to_string(peer) + " stopped after it";
+             name_of(peer) + " stopped after it";
     }
     return peer_gone;
   }
@@ -241,9 +251,9 @@ class C10dFailures {
       const auto now = std::chrono::steady_clock::now();
       for (const auto& [id, w] : waiting_) {
         if (now > w.deadline) {
-          stuck = "rank " + std::to_string(rank()) + " waited more than " +
+          stuck = "rank " + name_of(rank()) + " waited more than " +
                   std::to_string(options_.timeout().count()) + " ms for " +
-                  detail::describe(w.key) + " from rank " + std::to_string(w.peer) +
+                  detail::describe(w.key) + " from rank " + name_of(w.peer) +
                   "; that rank is stuck or slower than " +
                   "the timeout (raise C10dOptions::timeout if its stage is just slow)";
           break;
@@ -284,9 +294,9 @@ class C10dFailures {
       sends_.pop_front();
       sending_ = false;
       if (broken && !stopped_) {
-        const std::string what = "rank " + std::to_string(p.peer) +
-                                 " is gone: its connection closed while rank " +
-                                 std::to_string(rank()) + " sent it " + detail::describe(p.key) +
+        const std::string what = "rank " + name_of(p.peer) +
+                                 " is gone: its connection closed while rank " + name_of(rank()) +
+                                 " sent it " + detail::describe(p.key) +
                                  "; it crashed, was killed, or exited early (see its output). "
                                  "Transport error: " +
                                  *broken;
@@ -309,6 +319,8 @@ class C10dFailures {
   std::string abort_key_;
   std::string seen_key_;  // <seen_key_>/<rank>: that rank learnt of a failure (acknowledge, linger)
   bool serves_store_ = false;
+  std::vector<int> job_ranks_;  // of each group rank; empty: the group is the job
+  int job_size_ = 1;
   bool lingered_ = false;
   std::atomic<bool> store_lost_{false};      // the store stopped answering: not asked again
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process

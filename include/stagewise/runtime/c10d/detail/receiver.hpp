@@ -54,9 +54,7 @@ class C10dReceiver : protected C10dFailures {
   // tensors; counted in the traffic unless `counted` is false. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
-    const auto from = [&] {
-      return "rank " + std::to_string(src) + " (for " + detail::describe(k) + ")";
-    };
+    const auto from = [&] { return "rank " + name_of(src) + " (for " + detail::describe(k) + ")"; };
     std::vector<std::int64_t> words;
     {
       auto cpu = copy_to(fixed, torch::kCPU);
@@ -107,9 +105,9 @@ class C10dReceiver : protected C10dFailures {
       if (wake_.wait_until(lock, deadline) == std::cv_status::timeout &&
           !arrivals_.find(k)->second.done) {
         const std::string stuck =
-            "rank " + std::to_string(rank()) + " waited more than " +
+            "rank " + name_of(rank()) + " waited more than " +
             std::to_string(options_.timeout().count()) + " ms for " + detail::describe(k) +
-            " from rank " + std::to_string(src) + "; that rank is stuck or slower than " +
+            " from rank " + name_of(src) + "; that rank is stuck or slower than " +
             "the timeout (raise C10dOptions::timeout if its stage is just slow)";
         lock.unlock();
         publish(stuck);
