@@ -12,6 +12,7 @@
 
 #include "tests/support/errors.hpp"
 #include "tests/support/multiprocess.hpp"
+#include "tests/support/pipe_layers.hpp"
 
 #include <doctest/doctest.h>
 
@@ -42,36 +43,9 @@ constexpr int kReplicas = 2;
 constexpr int kRanks = 4;  // 2 ranks per replica x 2 replicas
 constexpr int kRows = 12;  // 6 per replica: 3 micro-batches of 2 rows
 
-struct Ns {};
-using sx = sw::skip<Ns, "x">;
-
-struct StashImpl : sw::Skippable<StashImpl, sw::stashes<sx>> {
-  torch::Tensor forward(torch::Tensor x) {
-    sw::stash<sx>(this, x);
-    return x;
-  }
-};
-TORCH_MODULE(Stash);
-
-struct PopImpl : sw::Skippable<PopImpl, sw::pops<sx>> {
-  torch::Tensor forward(torch::Tensor x) { return x + sw::pop<sx>(this); }
-};
-TORCH_MODULE(Pop);
-
-// Throws (or kills its process) in the forward of call `at`, on the ranks where `armed`.
-struct TrapImpl : torch::nn::Module {
-  int calls = 0;
-  int at = -1;
-  bool kill = false;
-  torch::Tensor forward(torch::Tensor x) {
-    if (calls++ == at) {
-      if (kill) ::raise(SIGKILL);
-      TORCH_CHECK(false, "trap sprung in forward");
-    }
-    return x;
-  }
-};
-TORCH_MODULE(Trap);
+using sw::testing::Pop;
+using sw::testing::Stash;
+using sw::testing::Trap;
 
 // Eight layers (balance {4, 4}, or {2, 2, 2, 2} interleaved); with `skip`, layer 1 stashes and
 // layer 6 pops, so the skip crosses from the first rank to the last. A different seed per rank

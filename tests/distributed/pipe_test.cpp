@@ -8,6 +8,7 @@
 
 #include "tests/support/errors.hpp"
 #include "tests/support/multiprocess.hpp"
+#include "tests/support/pipe_layers.hpp"
 
 #include <doctest/doctest.h>
 
@@ -30,38 +31,9 @@ using namespace std::chrono_literals;
 
 namespace dp {
 
-struct Ns {};
-using sx = sw::skip<Ns, "x">;
-
-// Stashes its input for a later stage (on another rank) and passes it on.
-struct StashImpl : sw::Skippable<StashImpl, sw::stashes<sx>> {
-  torch::Tensor forward(torch::Tensor x) {
-    sw::stash<sx>(this, x);
-    return x;
-  }
-};
-TORCH_MODULE(Stash);
-
-// Adds the stashed tensor back.
-struct PopImpl : sw::Skippable<PopImpl, sw::pops<sx>> {
-  torch::Tensor forward(torch::Tensor x) { return x + sw::pop<sx>(this); }
-};
-TORCH_MODULE(Pop);
-
-// Throws (or kills its process) at the forward of the given step, on whichever rank runs it.
-struct TrapImpl : torch::nn::Module {
-  int calls = 0;
-  int at = -1;
-  bool kill = false;
-  torch::Tensor forward(torch::Tensor x) {
-    if (calls++ == at) {
-      if (kill) ::raise(SIGKILL);
-      TORCH_CHECK(false, "trap sprung in forward");
-    }
-    return x;
-  }
-};
-TORCH_MODULE(Trap);
+using sw::testing::Pop;
+using sw::testing::Stash;
+using sw::testing::Trap;
 
 // Four stages' worth of layers (balance {2, 2, 2, 2} or {4, 4}); with `skip`, layer 1 stashes and
 // layer 6 pops, so the skip crosses from the first rank to the last.
@@ -236,7 +208,7 @@ TEST_SUITE("distributed pipe") {
           auto [x, y] = dp::batch(0);
           for (int step = 1; step <= 2; ++step) {
             pipe->train_step(rank == 0 ? x : torch::Tensor(), rank == 1 ? y : torch::Tensor(),
-                            dp::mse, sched::one_f_one_b{});
+                             dp::mse, sched::one_f_one_b{});
             const auto t = pipe->traffic();
             for (auto [what, got, want] :
                  {std::tuple{"messages sent", t.messages_sent, 8 * step},
@@ -371,9 +343,8 @@ TEST_SUITE("distributed pipe") {
               c, dp::model(false), sw::balance{4, 4}, {},
               sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("il")));
           auto [x, y] = dp::batch(0);
-          out += error_of([&] {
-                   pipe->train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2});
-                 }) +
+          out += error_of(
+                     [&] { pipe->train_step(x, y, dp::mse, sched::interleaved_one_f_one_b{2}); }) +
                  "\n";
           sw::distributed::Pipe round_robin(c, dp::model(false), sw::balance{2, 2, 2, 2}, {},
                                             sw::distributed::Options().virtual_stages(2).transport(
