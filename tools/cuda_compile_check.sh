@@ -12,7 +12,8 @@ no GPU is at hand. Each of these is one case:
   - every public header (include/stagewise/**/*.hpp) in one translation unit, with USE_CUDA
     defined, so `#if defined(USE_CUDA)` branches are compiled too (and STAGEWISE_WITH_CUDA, the
     CUDA branch of balance_by_size, and USE_C10D_GLOO, which the
-    distributed headers need, as //:distributed defines it);
+    distributed headers need, as //:distributed defines it; and USE_C10D_NCCL, the NCCL
+    process groups, where the toolkit has nccl.h);
   - tests/cuda/cuda_paths.cpp: the device-generic streams, RNG snapshots and a two-GPU Pipe
     driven with CUDA's own types (c10::cuda::CUDAStream, CUDAGuard, at::cuda::CUDAEvent, the
     CUDA generator);
@@ -61,6 +62,13 @@ flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Werror -DUSE_CUDA -DUSE_C10D_GLOO
        -I"$repo/include" -I"$repo")
 [[ $torch == /usr ]] || flags+=(-isystem "$torch/include")
 flags+=(-isystem "$torch/include/torch/csrc/api/include" -isystem "$cuda/include")
+# The NCCL branches (the NCCL process group of connect and runtime::subgroup) where the toolkit
+# has NCCL's header: ProcessGroupNCCL.hpp needs it.
+if [[ -f $cuda/include/nccl.h ]]; then
+  flags+=(-DUSE_C10D_NCCL)
+else
+  echo "cuda_compile_check: no nccl.h under $cuda/include: the NCCL branches are not compiled" >&2
+fi
 # Debian's CPU build has no generated CUDA config header; c10 lets it be skipped.
 [[ -f $torch/include/c10/cuda/impl/cuda_cmake_macros.h ]] ||
   flags+=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE)
