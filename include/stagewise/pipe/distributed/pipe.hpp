@@ -355,11 +355,14 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
       transport_->wait_collective(w, column_->job_ranks, what);
     };
     const double r = static_cast<double>(rows);
+    // On the transport's device: NCCL reduces only GPU tensors (Gloo takes either).
     auto sums =
         torch::tensor({loss.detach().to(torch::kCPU, torch::kDouble).item<double>() * r, r, r * r},
-                      torch::kDouble);
+                      torch::kDouble)
+            .to(dist_.transport().device());
     std::vector<at::Tensor> one{sums};
     wait(column_->collectives.all_reduce_sum(one), "the replicas' sum of the loss");
+    sums = sums.to(torch::kCPU);
     const auto* s = sums.data_ptr<double>();
     const int d = replicas();
     // d * sum(r^2) == sum(r)^2 exactly when every replica had the same number of rows.

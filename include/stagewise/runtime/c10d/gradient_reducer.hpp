@@ -351,11 +351,13 @@ class GradientReducer {
 
     // Starts counting how many ranks gave each parameter a gradient.
     void launch_counts() {
-      used = torch::empty({static_cast<std::int64_t>(params.size())}, torch::kFloat);
-      auto* u = used.data_ptr<float>();
+      auto mine = torch::empty({static_cast<std::int64_t>(params.size())}, torch::kFloat);
+      auto* u = mine.data_ptr<float>();
       for (std::size_t i = 0; i < params.size(); ++i) {
         u[i] = (ready[i] || accumulated[i]) ? 1.0F : 0.0F;
       }
+      // On the parameters' device: NCCL reduces only GPU tensors (Gloo takes either).
+      used = params.empty() ? mine : mine.to(params.front().tensor.device());
       std::vector<at::Tensor> counts{used};
       count_work = group.all_reduce_sum(counts);
     }
@@ -383,7 +385,8 @@ class GradientReducer {
       for (std::size_t k = 0; k < buckets.size(); ++k) {
         await(buckets[k].work, "bucket " + std::to_string(k) + " of the gradients");
       }
-      const auto* u = used.data_ptr<float>();
+      const auto used_here = used.to(torch::kCPU);
+      const auto* u = used_here.data_ptr<float>();
       TORCH_CHECK(n_taken == 0, options.who, ": ", taken.str(),
                   " got a gradient in this backward, but another hook freed it before it was "
                   "averaged over the ranks (an optim::FusedStep attached to these parameters steps "
