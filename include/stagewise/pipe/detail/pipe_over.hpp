@@ -225,7 +225,7 @@ class PipeOver : public PlacedStages {
 
   /// Data parallelism: whether this pipe averages its stages' gradients with other replicas of
   /// it. Then `gradients_ready(j)` is called on stage j's worker once the stage's gradients of
-  /// the step are final (to start reducing them), and `finish_gradients(loss, dtype, rows)` on
+  /// the step are final (to start reducing them), and `finish_gradients(loss, rows)` on
   /// every process after the loss arrived (this replica's mean loss over its `rows` rows), before
   /// the step ends: it completes the reductions and returns the loss to return (the global mean).
   /// A failure there fails the step on every process.

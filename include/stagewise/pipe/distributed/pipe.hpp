@@ -128,6 +128,9 @@ struct Options {
 ///   auto loss = pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // every rank
 /// This rank's stages are its registered submodules ("stage<j>"): `pipe->parameters()` gives
 /// them to this rank's optimizer, `pipe->train(false)` / `pipe->eval()` switch their mode.
+/// With `Options().data_parallel(d)` the job runs d replicas of the pipeline, each on its rows of
+/// the global batch (`shard`, `layout`), and every stage's gradients are averaged over its
+/// replicas before train_step returns; see docs/distributed.md, "Pipeline x data parallel".
 class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
  public:
   /// Rendezvouses from the environment (`torchrun`'s MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
