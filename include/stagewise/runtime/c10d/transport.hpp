@@ -275,20 +275,10 @@ class C10dTransport : private detail::C10dReceiver {
       work->wait();
     } catch (const std::exception& e) {
       rethrow_failure();
-      // A member that failed published why before it exited: report that (see fail_peer).
-      const auto until = std::chrono::steady_clock::now() +
-                         std::max(3 * options_.poll(), std::chrono::milliseconds(300));
-      while (!store_lost_ && std::chrono::steady_clock::now() < until) {
-        if (auto published = read_published()) {
-          fail(*published);
-          rethrow_failure();
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
+      rethrow_published_soon();  // a member that failed said why before it exited
       if (others.size() == 1) acknowledge_job_rank(others.front());  // it will never read it
       publish_and_fail((others.size() == 1 ? "rank " : "one of ranks ") + names +
-                       (others.size() == 1 ? " is" : " is") +
-                       " gone: its connection closed while rank " + std::to_string(me) +
+                       " is gone: its connection closed while rank " + std::to_string(me) +
                        " waited for " + what +
                        " with it; it crashed, was killed, or exited early (see its output). "
                        "Transport error: " +

@@ -105,18 +105,7 @@ class C10dFailures {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure_) throw_copy(failure_);
     }
-    // A rank that failed published why before it exited: that is the cause to report. The
-    // closed connection can be seen here before the store answers with it, so look a few times.
-    const auto until = std::chrono::steady_clock::now() +
-                       std::max(3 * options_.poll(), std::chrono::milliseconds(300));
-    while (true) {
-      if (auto published = read_published()) {
-        fail(*published);
-        rethrow_failure();
-      }
-      if (store_lost_ || std::chrono::steady_clock::now() > until) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    rethrow_published_soon();
     const std::string what = cause_of_lost_peer(
         peer, "rank " + name_of(peer) + " is gone: its connection closed while rank " +
                   name_of(rank()) + " exchanged " + detail::describe(k) +
@@ -126,6 +115,23 @@ class C10dFailures {
     publish_and_fail(what);
     rethrow_failure();
     TORCH_CHECK(false, "stagewise: ", what);
+  }
+
+  // After a connection closed: a rank that failed published why before it exited, and that is
+  // the cause to report. The closed connection can be seen here before the store answers with
+  // it, so look a few times (at most max(3 polls, 300 ms)); if the cause comes, fail with it and
+  // throw it, else return.
+  void rethrow_published_soon() {
+    const auto until = std::chrono::steady_clock::now() +
+                       std::max(3 * options_.poll(), std::chrono::milliseconds(300));
+    while (true) {
+      if (auto published = read_published()) {
+        fail(*published);
+        rethrow_failure();
+      }
+      if (store_lost_ || std::chrono::steady_clock::now() > until) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   }
 
   // Records a failure seen or learnt here and cancels every pending transfer.
