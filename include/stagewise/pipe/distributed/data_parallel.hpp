@@ -198,10 +198,7 @@ class DataParallel {
     for (const auto& b : module_->buffers(/*recurse=*/true)) {
       if (b.defined()) all.push_back(b);
     }
-    for (auto& t : all) {
-      std::vector<at::Tensor> one{t};
-      connection_.collectives.broadcast(one, /*root=*/0)->wait();
-    }
+    runtime::broadcast_each(connection_.collectives, all, /*root=*/0);
   }
 
   torch::Tensor mark_all(torch::Tensor t) { return reducer_->mark(t); }

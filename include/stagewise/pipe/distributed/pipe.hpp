@@ -323,15 +323,11 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
       if (!stages_[j] || !stages_[j]->spec.module) continue;
       auto& module = *stages_[j]->spec.module;
       // Replica 0's parameters and buffers everywhere, so that the replicas start alike.
-      for (auto t : module.parameters(/*recurse=*/true)) {
-        std::vector<at::Tensor> one{t};
-        column_->collectives.broadcast(one, /*root=*/0)->wait();
+      std::vector<at::Tensor> all = module.parameters(/*recurse=*/true);
+      for (const auto& b : module.buffers(/*recurse=*/true)) {
+        if (b.defined()) all.push_back(b);
       }
-      for (auto t : module.buffers(/*recurse=*/true)) {
-        if (!t.defined()) continue;
-        std::vector<at::Tensor> one{t};
-        column_->collectives.broadcast(one, /*root=*/0)->wait();
-      }
+      runtime::broadcast_each(column_->collectives, all, /*root=*/0);
       std::vector<torch::Tensor> params;
       std::vector<std::string> names;
       for (const auto& p : module.named_parameters(/*recurse=*/true)) {

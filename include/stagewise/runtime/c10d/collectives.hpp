@@ -72,4 +72,14 @@ class Collectives {
   int size_ = 1;
 };
 
+/// Copies rank `root`'s `tensors` into every other rank's of `group`, in place, one broadcast
+/// each, and waits for them (every rank passes tensors of the same shapes, in the same order).
+inline void broadcast_each(const Collectives& group, const std::vector<at::Tensor>& tensors,
+                           int root) {
+  for (const auto& t : tensors) {
+    std::vector<at::Tensor> one{t};
+    group.broadcast(one, root)->wait();
+  }
+}
+
 }  // namespace stagewise::runtime
