@@ -16,6 +16,8 @@
 // all-reduces per step against the ring all-reduce's 2(d-1)/d x its stage's gradients; as a check,
 // one step's loss and stage 0's gradient norm against the one-replica pipe's.
 //   ./bazelw run -c opt //benchmarks:distributed_cpu [-- --blas=openblas]
+//   [-- --pipe-only]  (the first table alone: sequential, in-process and distributed pipes; the
+//   key line gives nan for the rest, e.g. before/after a change to the transport)
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
 
@@ -23,6 +25,7 @@
 
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/key_values.hpp"
 #include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/rounds.hpp"
@@ -224,6 +227,7 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
 int main(int argc, char** argv) {
   namespace bench = sw::bench;
   bench::select_blas(argc, argv);  // may re-execute this program: before the ranks are forked
+  const bool pipe_only = bench::has_flag(argc, argv, "--pipe-only");
   // Fork the ranks first, while this process has one thread.
   const int port = bench::free_loopback_port("distributed_cpu");
   int commands[2][2], answers[2];
@@ -240,7 +244,7 @@ int main(int argc, char** argv) {
   while (replica_port == port) replica_port = bench::free_loopback_port("distributed_cpu");
   int replica_commands[2 * kReplicas][2], replica_answers[2];
   TORCH_CHECK(::pipe(replica_answers) == 0, "distributed_cpu: pipe() failed");
-  for (int r = 0; r < 2 * kReplicas; ++r) {
+  for (int r = 0; r < 2 * kReplicas && !pipe_only; ++r) {
     TORCH_CHECK(::pipe(replica_commands[r]) == 0, "distributed_cpu: pipe() failed");
     const pid_t pid = ::fork();
     if (pid == 0) replica_rank_main(r, replica_port, replica_commands[r][0], replica_answers[1]);
@@ -262,7 +266,8 @@ int main(int argc, char** argv) {
   };
   const std::vector<int> to_pipe{commands[0][1], commands[1][1]};
   std::vector<int> to_replicas;
-  for (auto& c : replica_commands) to_replicas.push_back(c[1]);
+  for (int r = 0; r < 2 * kReplicas && !pipe_only; ++r)
+    to_replicas.push_back(replica_commands[r][1]);
   auto ask = [&](char c) { return ask_job(to_pipe, answers[0], c, 1)[0]; };
 
   at::set_num_threads(1);
@@ -319,6 +324,54 @@ int main(int argc, char** argv) {
     vs_in_process.push_back(us[1] / us[2]);
   }
   const double agreement_us = ask('e');
+  // Sends every rank 'q' and reaps them all; the number that did not exit cleanly.
+  auto quit = [&] {
+    for (const int fd : to_pipe) {
+      const char q = 'q';
+      [[maybe_unused]] auto n = ::write(fd, &q, 1);
+    }
+    for (const int fd : to_replicas) {
+      const char q = 'q';
+      [[maybe_unused]] auto n = ::write(fd, &q, 1);
+    }
+    int failed = 0;
+    for (auto pid : ranks) {
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    return failed;
+  };
+  const auto speedup = bench::summarize(vs_sequential);
+  const auto ofob = bench::summarize(ofob_vs_sequential);
+  const auto ratio = bench::summarize(vs_in_process);
+  const double gpipe_us = bench::summarize(times[2]).median;
+  // The first table: the rounds above, and torch.distributed.pipelining's step.
+  auto print_pipes = [&](const bench::Summary& torch_us) {
+    std::printf("  %-52s %10s  [min, max]\n", "variant", "median");
+    for (int v = 0; v < 4; ++v) {
+      bench::print_figure(names[v], bench::summarize(times[static_cast<std::size_t>(v)]), "us");
+    }
+    bench::print_figure("torch.distributed.pipelining GPipe (2 processes)", torch_us, "us");
+    bench::print_figure("distributed gpipe: speed-up vs sequential", speedup, "x");
+    bench::print_figure("distributed 1F1B: speed-up vs sequential", ofob, "x");
+    bench::print_figure("in-process time / distributed time (gpipe)", ratio, "x");
+    // Every train_step ends with it; timed alone (median of 200) after the rounds.
+    std::printf("  %-52s %10.1f us  (%.3f%% of the gpipe step)\n",
+                "end-of-step agreement (end_step), per step", agreement_us,
+                100.0 * agreement_us / gpipe_us);
+  };
+  if (pipe_only) {
+    const int failed = quit();
+    print_pipes(bench::Summary{});
+    conditions.print_end();
+    std::printf(
+        "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
+        "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=nan dp_speedup=nan "
+        "dp_overlap=nan pp_dp_speedup=nan\n",
+        speedup.median, ofob.median, ratio.median);
+    return failed ? 1 : 0;
+  }
   // Data parallel against one process on the whole batch, alternating in rounds.
   auto whole = model();
   auto one_process = [&] {
@@ -373,20 +426,7 @@ int main(int argc, char** argv) {
   // bytes all-reduced, stage 0's gradient bytes, loss, stage 0's gradient norm
   const auto pp_dp_step = ask_job(to_replicas, replica_answers[0], 'y', 4);
   const auto one_replica_step = ask_job(to_pipe, answers[0], 'l', 2);  // loss, gradient norm
-  for (const int fd : to_pipe) {
-    const char q = 'q';
-    [[maybe_unused]] auto n = ::write(fd, &q, 1);
-  }
-  for (const int fd : to_replicas) {
-    const char q = 'q';
-    [[maybe_unused]] auto n = ::write(fd, &q, 1);
-  }
-  int failed = 0;
-  for (auto pid : ranks) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  }
+  const int failed = quit();
   // The system's python3 if its torch has the module, else a Debian 13 root's (as pipe_cpu).
   // Only configuration (d)'s GPipe step is read here: running the anchor's overhead
   // configuration and its 1F1B probe too took it past run_anchor's 600 s limit. That step
@@ -398,22 +438,7 @@ int main(int argc, char** argv) {
                                 bench::value_or_nan(anchor, "torch_pipelining_us"),
                                 bench::value_or_nan(anchor, "torch_pipelining_max_us")};
 
-  std::printf("  %-52s %10s  [min, max]\n", "variant", "median");
-  for (int v = 0; v < 4; ++v) {
-    bench::print_figure(names[v], bench::summarize(times[static_cast<std::size_t>(v)]), "us");
-  }
-  bench::print_figure("torch.distributed.pipelining GPipe (2 processes)", torch_us, "us");
-  const auto speedup = bench::summarize(vs_sequential);
-  const auto ofob = bench::summarize(ofob_vs_sequential);
-  const auto ratio = bench::summarize(vs_in_process);
-  bench::print_figure("distributed gpipe: speed-up vs sequential", speedup, "x");
-  bench::print_figure("distributed 1F1B: speed-up vs sequential", ofob, "x");
-  bench::print_figure("in-process time / distributed time (gpipe)", ratio, "x");
-  const double gpipe_us = bench::summarize(times[2]).median;
-  // Every train_step ends with it; timed alone (median of 200) after the rounds.
-  std::printf("  %-52s %10.1f us  (%.3f%% of the gpipe step)\n",
-              "end-of-step agreement (end_step), per step", agreement_us,
-              100.0 * agreement_us / gpipe_us);
+  print_pipes(torch_us);
   std::printf(
       "# data parallel: the whole model on each of 2 ranks, 64 rows each, buckets of 1 MiB\n");
   bench::print_figure("one process, whole batch (128 rows)", bench::summarize(one_us), "us");

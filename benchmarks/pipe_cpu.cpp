@@ -11,6 +11,7 @@
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/cpu_time.hpp"
+#include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/key_values.hpp"
 #include "benchmarks/common/memory.hpp"
 #include "benchmarks/common/rounds.hpp"
@@ -19,7 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
 #include <map>
 #include <string>
@@ -212,14 +212,6 @@ Overhead overhead(const char* title, OverheadSetup setup, int rounds) {
   return o;
 }
 
-std::string string_flag(int argc, char** argv, const char* name) {
-  const std::string prefix = std::string(name) + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
-  }
-  return "";
-}
-
 // --profile=VARIANT --steps=N: runs only one overhead variant N times (after 2 warm-up steps) and
 // prints nothing else, for instruction counts under valgrind (tools/overhead_instructions):
 // linear16_loop, linear16_train_step, linear1_loop, linear1_train_step.
@@ -236,32 +228,16 @@ int profile(const std::string& variant, int steps) {
   return 0;
 }
 
-int int_flag(int argc, char** argv, const char* name, int fallback) {
-  const std::string prefix = std::string(name) + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0)
-      return std::atoi(argv[i] + prefix.size());
-  }
-  return fallback;
-}
-
-bool has_flag(int argc, char** argv, const std::string& flag) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == flag) return true;
-  }
-  return false;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   bench::select_blas(argc, argv);
   // large_speedup_openblas is defined for OpenBLAS only, whether --blas=openblas or the system's.
   const bool openblas = bench::loaded_blas().find("openblas:") != std::string::npos;
-  const int rounds = int_flag(argc, argv, "--rounds", 7);
+  const int rounds = bench::int_flag(argc, argv, "--rounds", 7);
   at::set_num_threads(1);
-  if (const auto variant = string_flag(argc, argv, "--profile"); !variant.empty()) {
-    return profile(variant, int_flag(argc, argv, "--steps", 20));
+  if (const auto variant = bench::string_flag(argc, argv, "--profile"); !variant.empty()) {
+    return profile(variant, bench::int_flag(argc, argv, "--steps", 20));
   }
   auto& memory = bench::counting_allocator();
   bench::Conditions conditions("pipe_cpu");
@@ -280,7 +256,8 @@ int main(int argc, char** argv) {
                       "us");
   bench::print_figure("(c) train_step wall time per action", c.step_wall_per_action, "us");
   bench::print_figure("(c) train_step CPU time per action", c.step_cpu_per_action, "us");
-  if (has_flag(argc, argv, "--overhead-only")) {  // (a)-(c) alone, e.g. before/after a change
+  if (bench::has_flag(argc, argv,
+                      "--overhead-only")) {  // (a)-(c) alone, e.g. before/after a change
     conditions.print_end();
     return 0;
   }

@@ -15,9 +15,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -404,6 +406,7 @@ TEST_SUITE("c10d transport") {
         header({magic, 9, 1, 1, 1, f32, 2, 1 << 30, 1 << 30}),  // 4 EiB of floats
         header({magic, 8, 1, 1, 1, f32, 1, -5}),                // a negative size
         header({magic, 8, 2, 1, 1, f32, 1, 4}),                 // cut off
+        header({magic, 8, 1, 3, 1, f32, 1, 16385}),             // more inline than fits
     };
     const auto n = static_cast<int>(crafted.size());
     auto r = run_ranks(
@@ -453,7 +456,106 @@ TEST_SUITE("c10d transport") {
             "(C10dOptions::max_message_bytes): raise the limit if a stage really sends that much, "
             "else the sender is not a rank of this pipe\n" +
             from + "corrupt: tensor 0 has size -5" + tail + from + "corrupt: tensor 1 is cut off" +
+            tail + from +
+            "corrupt: it claims 65540 bytes inline, where a first transfer holds 65536 after a "
+            "header of at most 64 words" +
             tail);
+  }
+
+  // Over Gloo a message whose tensors fit 64 KiB travels in one transfer with its header; a
+  // larger one as a header and a transfer per tensor. Both arrive whole, at the edge too, whether
+  // their receive was posted ahead (expect) or at recv.
+  TEST_CASE("messages up to 64 KiB travel inline with their header, larger ones in parts") {
+    const std::int64_t room = rt::detail::kInlineBytes;
+    const std::vector<Message> messages{
+        {{torch::rand({room / 4})}, true},      // exactly the room
+        {{torch::rand({room / 4 + 1})}, true},  // 4 bytes over: in parts
+        {{torch::arange(3, torch::kInt8), torch::Tensor(), torch::empty({0}),
+          torch::rand({(room - 8) / 8}, torch::kFloat64), torch::tensor(true)},
+         false},  // odd sizes, undefined and empty: 65532 B
+        {{torch::randint(256, {room - 1}, torch::kUInt8), torch::ones(1, torch::kInt8)}, false},
+        {{}, true},  // no tensors at all
+    };
+    const auto n = static_cast<int>(messages.size());
+    auto r = run_ranks(
+        2,
+        [&](int rank) {
+          auto c = connected();
+          rt::C10dTransport t(c, rank_of_two);
+          for (int ahead = 0; ahead < 2; ++ahead) {
+            t.begin_step(2, n, 0);
+            std::vector<MessageKey> keys;
+            for (int m = 0; m < n; ++m) keys.push_back({TransferKind::activation, 1, m});
+            if (rank == 0) {
+              for (int m = 0; m < n; ++m) t.send(keys[m], messages[m]);
+              continue;
+            }
+            if (ahead == 1) t.expect(keys);
+            for (int m = n - 1; m >= 0; --m) {
+              const auto got = t.recv(keys[m]).value();
+              const auto& want = messages[static_cast<std::size_t>(m)];
+              const std::string what = "message " + std::to_string(m) + (ahead ? " ahead" : "");
+              expect(got.atomic == want.atomic, what + ": atomic flag differs");
+              expect(got.tensors.size() == want.tensors.size(), what + ": tensor count differs");
+              for (std::size_t k = 0; k < want.tensors.size(); ++k) {
+                expect_equal(got.tensors[k], want.tensors[k],
+                             what + ", tensor " + std::to_string(k));
+              }
+            }
+          }
+          c.store->set(rank == 0 ? "sent all" : "read all", std::vector<std::uint8_t>{1});
+          c.store->wait({rank == 0 ? "read all" : "sent all"});
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).text == "");
+      CHECK(of(r, k).status == 0);
+    }
+  }
+
+  // The wire format, from outside: a header flagged inline, its tensors' bytes right after it.
+  TEST_CASE("an inline message is its header's 64 words, then its tensors' bytes") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          auto c = connected();
+          const MessageKey k{TransferKind::activation, 1, 0};
+          if (rank == 0) {
+            const std::int64_t f32 = static_cast<std::int64_t>(c10::ScalarType::Float);
+            const std::vector<std::int64_t> words{rt::detail::kHeaderMagic,
+                                                  9,
+                                                  1,
+                                                  rt::detail::kTupleFlag | rt::detail::kInlineFlag,
+                                                  1,
+                                                  f32,
+                                                  2,
+                                                  1,
+                                                  2};
+            auto wire = torch::zeros({rt::detail::kHeaderWords + 1}, torch::kInt64);
+            std::copy(words.begin(), words.end(), wire.data_ptr<std::int64_t>());
+            const float values[2] = {1.5F, -2.0F};
+            std::memcpy(wire.data_ptr<std::int64_t>() + rt::detail::kHeaderWords, values,
+                        sizeof values);
+            std::vector<at::Tensor> one{wire};
+            c.group.send(one, 1, rt::detail::message_tag(k, 0))->wait();
+            c.store->wait({"read"});
+            return;
+          }
+          rt::C10dTransport t(c, rank_of_two);
+          t.begin_step(2, 1, 0);
+          const auto got = t.recv(k).value();
+          expect(got.atomic, "the tuple flag is read beside the inline flag");
+          expect(got.tensors.size() == 1, "one tensor");
+          expect_equal(got.tensors[0], torch::tensor({{1.5F, -2.0F}}), "the inline tensor");
+          c.store->set("read", std::vector<std::uint8_t>{1});
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(of(r, k).text == "");
+      CHECK(of(r, k).status == 0);
+    }
   }
 
   TEST_CASE("tags hold 256 stages, 4096 micro-batches and 31 skips; beyond is a clear error") {

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -84,7 +85,7 @@ class C10dTransport : private detail::C10dReceiver {
       stopped_ = true;
       abort_works_locked();
     }
-    wake_.notify_all();
+    wake_all();
     reaper_.join();
     watchdog_.join();
     receiver_.join();
@@ -145,7 +146,7 @@ class C10dTransport : private detail::C10dReceiver {
                   " has no sending stage (stage 0 receives no activation)");
       const int src = rank_of_(from);
       if (src == rank()) continue;
-      Ahead a{k, src, tag_of(k), torch::empty({detail::kHeaderWords}, torch::kInt64), 0};
+      Ahead a{k, src, tag_of(k), first_part(), 0};
       {
         std::lock_guard<std::mutex> lock(mutex_);
         TORCH_CHECK(arrivals_.find(k) == arrivals_.end(),
@@ -159,7 +160,7 @@ class C10dTransport : private detail::C10dReceiver {
       arrivals_.emplace(k, Arrival{});
       ahead_.push_back(std::move(a));
     }
-    wake_.notify_all();
+    expected_.notify_one();
   }
 
   /// Sends `m` to stage `k.stage`; returns once the sends are started (never waits for the
@@ -302,7 +303,7 @@ class C10dTransport : private detail::C10dReceiver {
       stopped_ = true;
       abort_works_locked();
     }
-    wake_.notify_all();
+    wake_all();
     abort_local(e);
     publish("rank " + name_of(rank()) + " failed: " + failure_text(e));
     acknowledge(rank());
@@ -335,8 +336,9 @@ class C10dTransport : private detail::C10dReceiver {
     return what;
   }
 
-  // Sends `m` to rank `dst` under `tag`: a header, then one send per non-empty tensor. `counted`:
-  // in traffic() (the step's messages are; the shared values are not).
+  // Sends `m` to rank `dst` under `tag`: a header, then one send per non-empty tensor, or all in
+  // one transfer where they fit its inline room (detail/header.hpp). `counted`: in traffic() (the
+  // step's messages are; the shared values are not).
   void send_to(int dst, int tag, const MessageKey& k, Message m, bool counted = true) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -344,26 +346,15 @@ class C10dTransport : private detail::C10dReceiver {
       if (stopped_) return;  // this rank aborted: nobody waits for it any more
     }
     std::vector<at::Tensor> out;
-    const auto words = detail::encode_header(m);
-    auto header = torch::zeros(
-        {std::max<std::int64_t>(detail::kHeaderWords, static_cast<std::int64_t>(words.size()))},
-        torch::kInt64);
-    std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
-    // Onto the transport's device through the one crossing helper (this is the sending stage's
-    // worker: its current stream is the stage's compute stream).
-    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device()));
-    if (header.numel() > detail::kHeaderWords) {
-      out.push_back(
-          copy_to(header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
-                      .contiguous(),
-                  options_.device()));
-    }
+    auto words = detail::encode_header(m);
     std::int64_t bytes = 0;
     for (const auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0) {
-        out.push_back(copy_to(t.detach(), options_.device()).contiguous());
-        bytes += static_cast<std::int64_t>(out.back().nbytes());
-      }
+      if (t.defined()) bytes += static_cast<std::int64_t>(t.nbytes());
+    }
+    if (static_cast<std::int64_t>(words.size()) <= detail::kHeaderWords && bytes <= inline_room()) {
+      out.push_back(inline_message(words, m, bytes));
+    } else {
+      out = separate_message(words, m);
     }
     // One thread posts a message's sends in order: Gloo matches one tag's messages in order.
     std::lock_guard<std::mutex> post(post_);
@@ -385,16 +376,59 @@ class C10dTransport : private detail::C10dReceiver {
       ++messages_sent_;
       bytes_sent_ += bytes;
     }
-    wake_.notify_all();
+    sent_.notify_one();
+  }
+
+  // A message's one transfer on a CPU transport: its header `words` (flagged inline) in the first
+  // kHeaderWords words, then its tensors' `bytes`, one after another.
+  torch::Tensor inline_message(std::vector<std::int64_t>& words, const Message& m,
+                               std::int64_t bytes) {
+    words[3] |= detail::kInlineFlag;
+    auto first = torch::empty({detail::kHeaderWords + (bytes + 7) / 8}, torch::kInt64);
+    auto* w = first.data_ptr<std::int64_t>();
+    std::fill(std::copy(words.begin(), words.end(), w), w + detail::kHeaderWords, 0);
+    auto* payload = reinterpret_cast<char*>(w + detail::kHeaderWords);
+    for (const auto& t : m.tensors) {
+      if (!t.defined() || t.numel() == 0) continue;
+      // Onto the CPU through the one crossing helper (a GPU stage's tensor, sent over Gloo).
+      const auto c = copy_to(t.detach(), torch::kCPU).contiguous();
+      std::memcpy(payload, c.data_ptr(), c.nbytes());
+      payload += c.nbytes();
+    }
+    return first;
+  }
+
+  // A message's transfers where it does not travel inline: its header (the first kHeaderWords
+  // words, then the rest if longer), then each non-empty tensor.
+  std::vector<at::Tensor> separate_message(const std::vector<std::int64_t>& words,
+                                           const Message& m) {
+    std::vector<at::Tensor> out;
+    auto header = torch::zeros(
+        {std::max<std::int64_t>(detail::kHeaderWords, static_cast<std::int64_t>(words.size()))},
+        torch::kInt64);
+    std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
+    // Onto the transport's device through the one crossing helper (this is the sending stage's
+    // worker: its current stream is the stage's compute stream).
+    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device()));
+    if (header.numel() > detail::kHeaderWords) {
+      out.push_back(
+          copy_to(header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
+                      .contiguous(),
+                  options_.device()));
+    }
+    for (const auto& t : m.tensors) {
+      if (t.defined() && t.numel() > 0) {
+        out.push_back(copy_to(t.detach(), options_.device()).contiguous());
+      }
+    }
+    return out;
   }
 
   // Receives the message `k` from rank `src` under `tag`: its header, then the rest.
   std::optional<Message> receive_from(int src, int tag, const MessageKey& k, bool counted = true) {
-    auto fixed =
-        torch::empty({detail::kHeaderWords},
-                     torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
-    if (!receive(fixed, src, tag, k)) return std::nullopt;
-    return receive_rest(fixed, src, tag, k, counted);
+    auto first = first_part();
+    if (!receive(first, src, tag, k)) return std::nullopt;
+    return receive_rest(first, src, tag, k, counted);
   }
 
   MailboxTransport& local() {

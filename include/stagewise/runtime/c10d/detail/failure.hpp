@@ -153,7 +153,7 @@ class C10dFailures {
       stopped_ = true;
       abort_works_locked();
     }
-    wake_.notify_all();
+    wake_all();
     abort_local(failure);
     if (first) acknowledge(rank());
   }
@@ -242,17 +242,30 @@ class C10dFailures {
     return peer_gone;
   }
 
+  // Wakes every thread that waits on this transport's state: after a failure, an abort, or at
+  // closing. Otherwise each condition below is notified only by what its waiter waits for.
+  void wake_all() {
+    watch_.notify_all();
+    sent_.notify_all();
+    expected_.notify_all();
+    arrived_.notify_all();
+  }
+
   void abort_works_locked() {
     for (auto& [id, w] : waiting_) w.work->abort();
     for (auto& s : sends_) s.work->abort();
   }
 
-  // Background: another rank's failure in the store, and receives past their deadline.
+  // Background: another rank's failure in the store, and receives past their deadline, once per
+  // poll. Nothing but closing wakes it in between: a store request per message would cost each
+  // message a round trip to the rank serving the store, and wake its threads.
   void watch() {
     std::unique_lock<std::mutex> lock(mutex_);
+    auto next = std::chrono::steady_clock::now() + options_.poll();
     while (!closing_) {
-      wake_.wait_for(lock, options_.poll());
-      if (closing_ || stopped_) continue;
+      if (watch_.wait_until(lock, next, [&] { return closing_; })) continue;
+      next = std::chrono::steady_clock::now() + options_.poll();
+      if (stopped_) continue;
       std::string stuck;
       const auto now = std::chrono::steady_clock::now();
       for (const auto& [id, w] : waiting_) {
@@ -285,7 +298,7 @@ class C10dFailures {
   void reap() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      wake_.wait(lock, [&] { return closing_ || !sends_.empty(); });
+      sent_.wait(lock, [&] { return closing_ || !sends_.empty(); });
       if (sends_.empty()) return;
       Pending p = sends_.front();
       sending_ = true;
@@ -332,8 +345,11 @@ class C10dFailures {
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
 
   mutable std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
-  std::condition_variable wake_;
-  std::condition_variable idle_;
+  std::condition_variable watch_;     // the watchdog: closing
+  std::condition_variable sent_;      // the reaper: a send posted, or closing
+  std::condition_variable expected_;  // the receiver thread: a receive posted ahead, or closing
+  std::condition_variable arrived_;   // take_ahead: an expected message arrived, or a failure
+  std::condition_variable idle_;      // the destructor: every send completed
   std::deque<Pending> sends_;
   bool sending_ = false;
   std::map<std::uint64_t, Waiting> waiting_;

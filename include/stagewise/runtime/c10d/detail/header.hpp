@@ -13,15 +13,25 @@
 namespace stagewise::runtime::detail {
 
 // The metadata of a message, sent ahead of its tensors so that the receiver allocates them
-// without being told shapes in advance: [magic, words, tensors, atomic, then per tensor: defined,
-// dtype, ndim, sizes...]. The first kHeaderWords words always travel (one fixed-size receive);
-// a longer header continues in a second message of words - kHeaderWords words.
+// without being told shapes in advance: [magic, words, tensors, flags, then per tensor: defined,
+// dtype, ndim, sizes...]. The first kHeaderWords words always travel (one receive posted before
+// the sender sends); a longer header continues in a second message of words - kHeaderWords words.
+//
+// Over Gloo (a CPU transport) that first receive has room for kInlineBytes more, and a message
+// whose header fits the first kHeaderWords words and whose tensors fit that room travels whole in
+// it, header and data (flag kInlineFlag): one transfer instead of one per tensor, with no second
+// receive posted after the header arrives, whose round trip and wake-ups would cost more than
+// copying 64 KiB. (Gloo takes a message shorter than the receive's buffer; NCCL needs the exact
+// size, so a GPU transport sends every tensor on its own.)
 inline constexpr std::int64_t kHeaderMagic = 0x5377486472;  // "SwHdr"
 inline constexpr std::int64_t kHeaderWords = 64;
+inline constexpr std::int64_t kInlineBytes = 64 * 1024;
+inline constexpr std::int64_t kTupleFlag = 1;   // Message::atomic
+inline constexpr std::int64_t kInlineFlag = 2;  // the tensors' bytes follow the header's words
 
 inline std::vector<std::int64_t> encode_header(const Message& m) {
   std::vector<std::int64_t> h{kHeaderMagic, 0, static_cast<std::int64_t>(m.tensors.size()),
-                              m.atomic ? 1 : 0};
+                              m.atomic ? kTupleFlag : 0};
   for (const auto& t : m.tensors) {
     h.push_back(t.defined() ? 1 : 0);
     if (!t.defined()) continue;
@@ -65,13 +75,19 @@ inline bool sendable_dtype(std::int64_t d) {
   return false;
 }
 
+// Whether the header `h` says its tensors' bytes follow it in the same transfer.
+inline bool inline_payload(const std::vector<std::int64_t>& h) {
+  return h.size() > 3 && (h[3] & kInlineFlag) != 0;
+}
+
 // The message with empty tensors of the right dtypes and shapes (undefined where undefined). Every
 // word is checked before anything is allocated (a first pass): the tensor count, each defined
 // flag, dtype, dimension count and size, the header's length, and the message's bytes against
-// `max_bytes`; a bad one is an error naming the sender (`from()`, made only then).
+// `max_bytes`, or against `inline_room` (0 where nothing travels inline) for a message whose
+// bytes follow the header; a bad one is an error naming the sender (`from()`, made only then).
 template <class From>
 Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& device,
-                      std::int64_t max_bytes, const From& from) {
+                      std::int64_t max_bytes, std::int64_t inline_room, const From& from) {
   const auto corrupt = [&](const std::string& why) {
     TORCH_CHECK(false, "stagewise: a message header from ", from(), " is corrupt: ", why,
                 "; every rank must run the same stagewise version and pipe, and no other "
@@ -86,7 +102,9 @@ Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& d
     corrupt("it claims " + std::to_string(h[2]) + " tensors (at most " +
             std::to_string(kMaxTensors) + ")");
   }
-  if (h[3] != 0 && h[3] != 1) corrupt("its tuple flag is " + std::to_string(h[3]));
+  if (h[3] < 0 || h[3] > (kTupleFlag | kInlineFlag)) {
+    corrupt("its flags word is " + std::to_string(h[3]));
+  }
   const auto word = [&](std::int64_t at) { return h[static_cast<std::size_t>(at)]; };
   std::int64_t at = 4;
   double bytes = 0;  // in double: a corrupt size cannot overflow it past the check
@@ -116,13 +134,18 @@ Message decode_header(const std::vector<std::int64_t>& h, const torch::Device& d
     bytes += elements * static_cast<double>(c10::elementSize(static_cast<c10::ScalarType>(dtype)));
   }
   if (at != n) corrupt("it has " + std::to_string(n - at) + " words beyond its tensors");
+  if (inline_payload(h) && (n > kHeaderWords || bytes > static_cast<double>(inline_room))) {
+    corrupt("it claims " + std::to_string(static_cast<std::int64_t>(bytes)) +
+            " bytes inline, where a first transfer holds " + std::to_string(inline_room) +
+            " after a header of at most " + std::to_string(kHeaderWords) + " words");
+  }
   TORCH_CHECK(bytes <= static_cast<double>(max_bytes), "stagewise: a message from ", from(),
               " would need ", bytes, " bytes, above the limit of ", max_bytes,
               " bytes per message (C10dOptions::max_message_bytes): raise the limit if a stage "
               "really sends that much, else the sender is not a rank of this pipe");
   // Every word is sound: the second pass allocates.
   Message m;
-  m.atomic = h[3] != 0;
+  m.atomic = (h[3] & kTupleFlag) != 0;
   at = 4;
   for (std::int64_t k = 0; k < h[2]; ++k) {
     if (word(at++) == 0) {

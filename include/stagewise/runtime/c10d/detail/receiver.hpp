@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <mutex>
@@ -50,28 +51,47 @@ class C10dReceiver : protected C10dFailures {
     std::exception_ptr error;
   };
 
-  // The rest of a message whose fixed header `fixed` has arrived: the header's tail, then the
-  // tensors; counted in the traffic unless `counted` is false. Nothing once this process aborted.
-  std::optional<Message> receive_rest(const torch::Tensor& fixed, int src, int tag,
+  // The bytes a message's first transfer carries after its header (detail/header.hpp): room for
+  // small tensors over Gloo, none over NCCL.
+  std::int64_t inline_room() const { return options_.device().is_cpu() ? kInlineBytes : 0; }
+
+  // The buffer a message's first transfer is received into: its header and the inline room.
+  torch::Tensor first_part() const {
+    return torch::empty({kHeaderWords + inline_room() / 8},
+                        torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
+  }
+
+  // The rest of a message whose first part `first` (first_part()) has arrived: the header's
+  // tail, then the tensors, which are in `first` already when they travelled inline; counted in
+  // the traffic unless `counted` is false. Nothing once this process aborted.
+  std::optional<Message> receive_rest(const torch::Tensor& first, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
     const auto from = [&] { return "rank " + name_of(src) + " (for " + detail::describe(k) + ")"; };
     std::vector<std::int64_t> words;
+    const auto cpu = copy_to(first, torch::kCPU);
     {
-      auto cpu = copy_to(fixed, torch::kCPU);
       const auto rest = detail::header_rest(cpu, from);
-      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + cpu.numel());
+      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + kHeaderWords);
       if (rest > 0) {
-        auto more = torch::empty({rest}, fixed.options());
+        auto more = torch::empty({rest}, first.options());
         if (!receive(more, src, tag, k)) return std::nullopt;
         auto m = copy_to(more, torch::kCPU);
         words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
       }
     }
-    Message m = detail::decode_header(words, options_.device(), options_.max_message_bytes(), from);
+    Message m = detail::decode_header(words, options_.device(), options_.max_message_bytes(),
+                                      inline_room(), from);
+    const bool inlined = detail::inline_payload(words);
+    const auto* payload =
+        reinterpret_cast<const char*>(cpu.data_ptr<std::int64_t>() + kHeaderWords);
     std::int64_t bytes = 0;
     for (auto& t : m.tensors) {
       if (t.defined() && t.numel() > 0) {
-        if (!receive(t, src, tag, k)) return std::nullopt;
+        if (inlined) {  // decode_header checked that they fit the room
+          std::memcpy(t.data_ptr(), payload + bytes, t.nbytes());
+        } else if (!receive(t, src, tag, k)) {
+          return std::nullopt;
+        }
         bytes += static_cast<std::int64_t>(t.nbytes());
       }
     }
@@ -102,7 +122,7 @@ class C10dReceiver : protected C10dFailures {
       }
       if (failure_ && !aborted_here_) throw_copy(failure_);
       if (aborted_here_) return std::nullopt;
-      if (wake_.wait_until(lock, deadline) == std::cv_status::timeout &&
+      if (arrived_.wait_until(lock, deadline) == std::cv_status::timeout &&
           !arrivals_.find(k)->second.done) {
         const std::string stuck =
             "rank " + name_of(rank()) + " waited more than " +
@@ -121,7 +141,7 @@ class C10dReceiver : protected C10dFailures {
   void receive_ahead() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      wake_.wait(lock, [&] { return closing_ || !ahead_.empty(); });
+      expected_.wait(lock, [&] { return closing_ || !ahead_.empty(); });
       if (ahead_.empty()) return;
       Ahead a = std::move(ahead_.front());
       ahead_.pop_front();
@@ -135,7 +155,7 @@ class C10dReceiver : protected C10dFailures {
       }
       lock.lock();
       arrivals_[a.key] = std::move(got);
-      wake_.notify_all();
+      arrived_.notify_all();
     }
   }
 
