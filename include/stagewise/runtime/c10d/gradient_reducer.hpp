@@ -134,8 +134,14 @@ class GradientReducer {
 
   /// Off: backward passes accumulate gradients locally, unreduced (gradient accumulation); the
   /// next backward of a marked output, with it on, reduces what accumulated.
-  void set_enabled(bool on) { state_->enabled = on; }
-  bool enabled() const { return state_->enabled; }
+  void set_enabled(bool on) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->enabled = on;
+  }
+  bool enabled() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->enabled;
+  }
 
   /// Called, at the end of each reducing backward, for every parameter whose averaged gradient
   /// was written, bucket after bucket as each is written (e.g. to step it: a fused optimizer).
