@@ -22,7 +22,10 @@ namespace stagewise::runtime::detail {
 // it, header and data (flag kInlineFlag): one transfer instead of one per tensor, with no second
 // receive posted after the header arrives, whose round trip and wake-ups would cost more than
 // copying 64 KiB. (Gloo takes a message shorter than the receive's buffer; NCCL needs the exact
-// size, so a GPU transport sends every tensor on its own.)
+// size, so a GPU transport sends every tensor on its own.) The room is a constant of the wire
+// format, not an option: a message longer than the receive posted for it is fatal inside Gloo's
+// I/O thread, so every rank must give the same room. Each receive posted ahead holds it until its
+// message arrives: about 4 MiB for 32 micro-batches of activations and gradients.
 inline constexpr std::int64_t kHeaderMagic = 0x5377486472;  // "SwHdr"
 inline constexpr std::int64_t kHeaderWords = 64;
 inline constexpr std::int64_t kInlineBytes = 64 * 1024;
