@@ -75,13 +75,17 @@ Message sample(int micro) {
   return {many, false};
 }
 
-void check_sample(const Message& got, int micro) {
-  const Message want = sample(micro);
-  expect(got.atomic == want.atomic, "atomic flag differs");
-  expect(got.tensors.size() == want.tensors.size(), "number of tensors differs");
+// `got` is `want`: its tuple flag and each tensor (`what` names it in a failure).
+void expect_message(const Message& got, const Message& want, const std::string& what) {
+  expect(got.atomic == want.atomic, what + "atomic flag differs");
+  expect(got.tensors.size() == want.tensors.size(), what + "number of tensors differs");
   for (std::size_t k = 0; k < want.tensors.size(); ++k) {
-    expect_equal(got.tensors[k], want.tensors[k], "tensor " + std::to_string(k));
+    expect_equal(got.tensors[k], want.tensors[k], what + "tensor " + std::to_string(k));
   }
+}
+
+void check_sample(const Message& got, int micro) {
+  expect_message(got, sample(micro), "");
 }
 
 int rank_of_two(int stage) {
@@ -492,15 +496,8 @@ TEST_SUITE("c10d transport") {
             }
             if (ahead == 1) t.expect(keys);
             for (int m = n - 1; m >= 0; --m) {
-              const auto got = t.recv(keys[m]).value();
-              const auto& want = messages[static_cast<std::size_t>(m)];
-              const std::string what = "message " + std::to_string(m) + (ahead ? " ahead" : "");
-              expect(got.atomic == want.atomic, what + ": atomic flag differs");
-              expect(got.tensors.size() == want.tensors.size(), what + ": tensor count differs");
-              for (std::size_t k = 0; k < want.tensors.size(); ++k) {
-                expect_equal(got.tensors[k], want.tensors[k],
-                             what + ", tensor " + std::to_string(k));
-              }
+              expect_message(t.recv(keys[m]).value(), messages[static_cast<std::size_t>(m)],
+                             "message " + std::to_string(m) + (ahead ? " ahead" : "") + ": ");
             }
           }
           c.store->set(rank == 0 ? "sent all" : "read all", std::vector<std::uint8_t>{1});

@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -345,20 +344,12 @@ class C10dTransport : private detail::C10dReceiver {
       if (failure_) throw_copy(failure_);
       if (stopped_) return;  // this rank aborted: nobody waits for it any more
     }
-    std::vector<at::Tensor> out;
-    auto words = detail::encode_header(m);
-    std::int64_t bytes = 0;
-    for (const auto& t : m.tensors) {
-      if (t.defined()) bytes += static_cast<std::int64_t>(t.nbytes());
-    }
-    if (static_cast<std::int64_t>(words.size()) <= detail::kHeaderWords && bytes <= inline_room()) {
-      out.push_back(inline_message(words, m, bytes));
-    } else {
-      out = separate_message(words, m);
-    }
+    // Onto the transport's device through the one crossing helper (this is the sending stage's
+    // worker: its current stream is the stage's compute stream).
+    const auto out = detail::transfers_of(m, options_.device(), inline_room());
     // One thread posts a message's sends in order: Gloo matches one tag's messages in order.
     std::lock_guard<std::mutex> post(post_);
-    for (auto& t : out) {
+    for (const auto& t : out) {
       std::vector<at::Tensor> one{t};
       c10::intrusive_ptr<c10d::Work> work;
       try {
@@ -374,54 +365,9 @@ class C10dTransport : private detail::C10dReceiver {
     }
     if (counted) {
       ++messages_sent_;
-      bytes_sent_ += bytes;
+      bytes_sent_ += detail::payload_bytes(m);
     }
     sent_.notify_one();
-  }
-
-  // A message's one transfer on a CPU transport: its header `words` (flagged inline) in the first
-  // kHeaderWords words, then its tensors' `bytes`, one after another.
-  torch::Tensor inline_message(std::vector<std::int64_t>& words, const Message& m,
-                               std::int64_t bytes) {
-    words[3] |= detail::kInlineFlag;
-    auto first = torch::empty({detail::kHeaderWords + (bytes + 7) / 8}, torch::kInt64);
-    auto* w = first.data_ptr<std::int64_t>();
-    std::fill(std::copy(words.begin(), words.end(), w), w + detail::kHeaderWords, 0);
-    auto* payload = reinterpret_cast<char*>(w + detail::kHeaderWords);
-    for (const auto& t : m.tensors) {
-      if (!t.defined() || t.numel() == 0) continue;
-      // Onto the CPU through the one crossing helper (a GPU stage's tensor, sent over Gloo).
-      const auto c = copy_to(t.detach(), torch::kCPU).contiguous();
-      std::memcpy(payload, c.data_ptr(), c.nbytes());
-      payload += c.nbytes();
-    }
-    return first;
-  }
-
-  // A message's transfers where it does not travel inline: its header (the first kHeaderWords
-  // words, then the rest if longer), then each non-empty tensor.
-  std::vector<at::Tensor> separate_message(const std::vector<std::int64_t>& words,
-                                           const Message& m) {
-    std::vector<at::Tensor> out;
-    auto header = torch::zeros(
-        {std::max<std::int64_t>(detail::kHeaderWords, static_cast<std::int64_t>(words.size()))},
-        torch::kInt64);
-    std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
-    // Onto the transport's device through the one crossing helper (this is the sending stage's
-    // worker: its current stream is the stage's compute stream).
-    out.push_back(copy_to(header.narrow(0, 0, detail::kHeaderWords), options_.device()));
-    if (header.numel() > detail::kHeaderWords) {
-      out.push_back(
-          copy_to(header.narrow(0, detail::kHeaderWords, header.numel() - detail::kHeaderWords)
-                      .contiguous(),
-                  options_.device()));
-    }
-    for (const auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0) {
-        out.push_back(copy_to(t.detach(), options_.device()).contiguous());
-      }
-    }
-    return out;
   }
 
   // Receives the message `k` from rank `src` under `tag`: its header, then the rest.

@@ -1,18 +1,22 @@
 #pragma once
 
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/stream.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 namespace stagewise::runtime::detail {
 
-// The metadata of a message, sent ahead of its tensors so that the receiver allocates them
+// How a message travels between ranks (transfers_of sends, decode_header reads): its metadata,
+// sent ahead of its tensors so that the receiver allocates them
 // without being told shapes in advance: [magic, words, tensors, flags, then per tensor: defined,
 // dtype, ndim, sizes...]. The first kHeaderWords words always travel (one receive posted before
 // the sender sends); a longer header continues in a second message of words - kHeaderWords words.
@@ -44,6 +48,54 @@ inline std::vector<std::int64_t> encode_header(const Message& m) {
   }
   h[1] = static_cast<std::int64_t>(h.size());
   return h;
+}
+
+// The bytes of `m`'s tensors: what traffic() counts, and what must fit the inline room.
+inline std::int64_t payload_bytes(const Message& m) {
+  std::int64_t bytes = 0;
+  for (const auto& t : m.tensors) {
+    if (t.defined()) bytes += static_cast<std::int64_t>(t.nbytes());
+  }
+  return bytes;
+}
+
+// The transfers that carry `m` to another rank, in the order they are sent under its tag, on
+// `device` (copied there through copy_to, on the calling thread's streams). Where the header fits
+// kHeaderWords and the tensors fit `inline_room` (0: never), one transfer: the header flagged
+// inline, then the tensors' bytes one after another. Else the header's first kHeaderWords words,
+// the rest of the header if longer, and each non-empty tensor.
+inline std::vector<torch::Tensor> transfers_of(const Message& m, const torch::Device& device,
+                                               std::int64_t inline_room) {
+  auto words = encode_header(m);
+  const std::int64_t bytes = payload_bytes(m);
+  if (static_cast<std::int64_t>(words.size()) <= kHeaderWords && bytes <= inline_room) {
+    words[3] |= kInlineFlag;
+    auto first = torch::empty({kHeaderWords + (bytes + 7) / 8}, torch::kInt64);
+    auto* w = first.data_ptr<std::int64_t>();
+    std::fill(std::copy(words.begin(), words.end(), w), w + kHeaderWords, 0);
+    auto* payload = reinterpret_cast<char*>(w + kHeaderWords);
+    for (const auto& t : m.tensors) {
+      if (!t.defined() || t.numel() == 0) continue;
+      const auto c = copy_to(t.detach(), torch::kCPU).contiguous();  // a GPU stage's, over Gloo
+      std::memcpy(payload, c.data_ptr(), c.nbytes());
+      payload += c.nbytes();
+    }
+    return {first};
+  }
+  std::vector<torch::Tensor> out;
+  auto header =
+      torch::zeros({std::max<std::int64_t>(kHeaderWords, static_cast<std::int64_t>(words.size()))},
+                   torch::kInt64);
+  std::copy(words.begin(), words.end(), header.data_ptr<std::int64_t>());
+  out.push_back(copy_to(header.narrow(0, 0, kHeaderWords), device));
+  if (header.numel() > kHeaderWords) {
+    out.push_back(copy_to(
+        header.narrow(0, kHeaderWords, header.numel() - kHeaderWords).contiguous(), device));
+  }
+  for (const auto& t : m.tensors) {
+    if (t.defined() && t.numel() > 0) out.push_back(copy_to(t.detach(), device).contiguous());
+  }
+  return out;
 }
 
 // What a header may describe at most: a sender that is not a rank of this pipe (another job on
