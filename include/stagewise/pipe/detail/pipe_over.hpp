@@ -10,9 +10,9 @@
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/core/error_context.hpp"
-#include "stagewise/core/rng.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
+#include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
@@ -39,7 +39,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -144,11 +143,11 @@ class PipeOver : public PlacedStages {
   ///   pipe->save("ckpt/step-" + std::to_string(step), optimizer, step);
   template <savable_optimizer Optimizer>
   void save(const std::string& dir, const Optimizer& optimizer, std::int64_t step) {
-    save_state(dir, step, [&](torch::serialize::OutputArchive& a) { optimizer.save(a); });
+    saves().save(dir, step, [&](torch::serialize::OutputArchive& a) { optimizer.save(a); });
   }
 
   /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.
-  void save(const std::string& dir, std::int64_t step) { save_state(dir, step, nullptr); }
+  void save(const std::string& dir, std::int64_t step) { saves().save(dir, step, nullptr); }
 
   /// Resumes from a save (`save`) of a pipe built alike: loads this process's stages'
   /// parameters and buffers, `optimizer`'s state and the generators' states, and returns the
@@ -159,12 +158,12 @@ class PipeOver : public PlacedStages {
   ///   const auto step = pipe->load("ckpt/step-100", optimizer) + 1;  // the next step to run
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer) {
-    return load_state(dir, [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
+    return saves().load(dir, [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
   }
 
   /// Loads the stages' parameters, buffers and the generators' states of a save, leaving any
   /// saved optimizer state unread (e.g. to evaluate a saved model).
-  std::int64_t load(const std::string& dir) { return load_state(dir, nullptr); }
+  std::int64_t load(const std::string& dir) { return saves().load(dir, nullptr); }
 
  protected:
   /// `who` opens every error ("stagewise::Pipe").
@@ -249,9 +248,6 @@ class PipeOver : public PlacedStages {
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
  private:
-  using SaveOptimizer = std::function<void(torch::serialize::OutputArchive&)>;
-  using LoadOptimizer = std::function<void(torch::serialize::InputArchive&)>;
-
   SavedPlan plan_here() const {
     SavedPlan p;
     p.processes = process_count();
@@ -263,130 +259,16 @@ class PipeOver : public PlacedStages {
     return p;
   }
 
-  // Every process's outcome of `what` (`failure`: this one's error, opening with
-  // "<who>::<what>: ", or empty); throws the first failure, in rank order, on every process: a
-  // c10::Error with this process's own text if it is that one, else naming the failed rank.
-  void agree(const std::string& what, const std::string& failure, const std::string& consequence) {
-    const std::string prefix = who_ + "::" + what + ": ";
-    std::string published = failure;
-    if (published.rfind(prefix, 0) == 0) published.erase(0, prefix.size());
-    const auto all = gather(what, published);
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      if (all[r].empty()) continue;
-      if (static_cast<int>(r) == process_rank()) TORCH_CHECK(false, prefix, all[r]);
-      TORCH_CHECK(false, prefix, "rank ", r, " failed: ", all[r], "; ", consequence);
-    }
-  }
-
-  void save_state(const std::string& dir, std::int64_t step, const SaveOptimizer& optimizer) {
-    std::string failure;
-    try {
-      std::filesystem::create_directories(dir);
-      for (std::size_t j = 0; j < stages_.size(); ++j) {
-        if (!stages_[j] || !writes_stage_files()) continue;
-        torch::serialize::OutputArchive a;
-        a.write("format", c10::IValue(kSaveFormat));
-        a.write("stage", c10::IValue(static_cast<std::int64_t>(j)));
-        a.write("signature", c10::IValue(signatures_[j]));
-        if (const auto& module = stages_[j]->spec.module) {
-          torch::serialize::OutputArchive m;
-          write_module_state(*module, m);
-          a.write("module", m);
-        }
-        write_whole(a, stage_file(dir, static_cast<int>(j)));
-      }
-      // The process's file last: its presence says this process's part of the save is whole.
-      torch::serialize::OutputArchive a, plan, rng;
-      a.write("format", c10::IValue(kSaveFormat));
-      a.write("step", c10::IValue(step));
-      plan_here().write(plan);
-      a.write("plan", plan);
-      RngState::capture_all().save(rng);
-      a.write("rng", rng);
-      a.write("has_optimizer", c10::IValue(optimizer != nullptr));
-      if (optimizer) {
-        torch::serialize::OutputArchive o;
-        optimizer(o);
-        a.write("optimizer", o);
-      }
-      write_whole(a, rank_file(dir, process_rank()));
-    } catch (const std::exception& e) {
-      failure = "could not save to " + dir + ": " + message_of(e);
-    }
-    agree("save", failure, "the save in " + dir + " is incomplete and cannot be loaded");
-  }
-
-  std::int64_t load_state(const std::string& dir, const LoadOptimizer& optimizer) {
-    // First read and check everything, changing nothing; every process then knows whether all
-    // can load, and from the same step.
-    const std::string where = who_ + "::load: ";
-    const std::string file = rank_file(dir, process_rank());
-    torch::serialize::InputArchive rank_archive, optimizer_archive, rng_archive;
-    std::vector<std::unique_ptr<SavedModuleState>> modules(stages_.size());
-    std::int64_t step = 0;
-    std::string failure;
-    try {
-      TORCH_CHECK(std::filesystem::exists(file), where, dir, " has no ", file, " (rank ",
-                  process_rank(),
-                  "'s part of a save): it is not a save, or the job "
-                  "stopped while saving; resume from an earlier save");
-      rank_archive.load_from(file);
-      c10::IValue v;
-      rank_archive.read("format", v);
-      TORCH_CHECK(v.toInt() == kSaveFormat, where, file, " has save format ", v.toInt(),
-                  ", this stagewise reads format ", kSaveFormat);
-      rank_archive.read("step", v);
-      step = v.toInt();
-      torch::serialize::InputArchive plan;
-      rank_archive.read("plan", plan);
-      const auto difference = SavedPlan::read(plan).difference(plan_here());
-      TORCH_CHECK(difference.empty(), where, "cannot load the save in ", dir, ": ", difference);
-      rank_archive.read("has_optimizer", v);
-      TORCH_CHECK(!optimizer || v.toBool(), where, "the save in ", dir,
-                  " has no optimizer state (it was saved without an optimizer); load it with "
-                  "load(dir), or resume from a save made with save(dir, optimizer, step)");
-      if (optimizer) rank_archive.read("optimizer", optimizer_archive);
-      rank_archive.read("rng", rng_archive);
-      for (std::size_t j = 0; j < stages_.size(); ++j) {
-        if (!stages_[j] || !stages_[j]->spec.module) continue;
-        const auto path = stage_file(dir, static_cast<int>(j));
-        TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
-                    ": the save is incomplete; resume from another one");
-        torch::serialize::InputArchive a;
-        a.load_from(path, stages_[j]->device);
-        a.read("signature", v);
-        TORCH_CHECK(v.toStringRef() == signatures_[j], where, path, " holds stage {",
-                    v.toStringRef(), "} but this pipe's stage ", j, " is {", signatures_[j],
-                    "}; the files of different saves are mixed in ", dir);
-        torch::serialize::InputArchive m;
-        a.read("module", m);
-        modules[j] = std::make_unique<SavedModuleState>(*stages_[j]->spec.module, m, path);
-      }
-    } catch (const std::exception& e) {
-      failure = message_of(e);
-    }
-    agree("load", failure, "nothing was loaded");
-    const auto steps = gather("load", std::to_string(step));
-    for (std::size_t r = 1; r < steps.size(); ++r) {
-      TORCH_CHECK(steps[r] == steps[0], where, "the ranks' saves in ", dir,
-                  " are of different steps (rank 0's of step ", steps[0], ", rank ", r,
-                  "'s of step ", steps[r],
-                  "); resume every rank from the same save. Nothing was "
-                  "loaded");
-    }
-    // Then change the stages, the optimizer and the generators.
-    try {
-      for (std::size_t j = 0; j < stages_.size(); ++j) {
-        if (modules[j]) modules[j]->copy_into();
-      }
-      if (optimizer) optimizer(optimizer_archive);
-      RngState::load(rng_archive).restore();
-    } catch (const std::exception& e) {
-      failure = "could not load " + dir + ": " + message_of(e);
-    }
-    agree("load", failure,
-          "this pipe may be partly loaded: load a save again, or build a new pipe");
-    return step;
+  // What save and load read of this pipe (pipe_saves.hpp).
+  PipeSaves saves() {
+    return {
+        who_,
+        stages_,
+        signatures_,
+        process_rank(),
+        writes_stage_files(),
+        plan_here(),
+        [this](const std::string& what, const std::string& mine) { return gather(what, mine); }};
   }
 
   // A fused step on a data-parallel pipe: the fused step's hooks are off during the step (they
