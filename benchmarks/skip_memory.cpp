@@ -53,7 +53,7 @@ torch::nn::Conv2d conv3(int64_t in, int64_t out) {
 }
 
 // An encoder level's features and a decoder level's merge, shared by both paths.
-Tensor features_of(torch::nn::Conv2d& conv, const Tensor& x) {
+Tensor conv_features(torch::nn::Conv2d& conv, const Tensor& x) {
   return torch::relu(conv(x));
 }
 Tensor merge_of(torch::nn::Conv2d& conv, const Tensor& x, const Tensor& skip) {
@@ -65,7 +65,7 @@ Tensor merge_of(torch::nn::Conv2d& conv, const Tensor& x, const Tensor& skip) {
 template <class Level>
 struct DownImpl : sw::Skippable<DownImpl<Level>, sw::stashes<features<Level>>> {
   DownImpl(int64_t in, int64_t out) : conv(this->register_module("conv", conv3(in, out))) {}
-  Tensor features_of(const Tensor& x) { return ::features_of(conv, x); }
+  Tensor features_of(const Tensor& x) { return conv_features(conv, x); }
   Tensor forward(Tensor x) {
     auto h = features_of(x);
     sw::stash<features<Level>>(this, h);
@@ -114,8 +114,8 @@ torch::nn::Sequential portal_sequential() {
 // the order Model makes them, so both paths start from the same weights.
 struct EncoderStageImpl : torch::nn::Module {
   Triple forward(Tensor x) {
-    auto s1 = features_of(c1, x);
-    auto s2 = features_of(c2, torch::max_pool2d(s1, 2));
+    auto s1 = conv_features(c1, x);
+    auto s2 = conv_features(c2, torch::max_pool2d(s1, 2));
     return {torch::max_pool2d(s2, 2), s1, s2};
   }
   torch::nn::Conv2d c1 = register_module("c1", conv3(3, 32));

@@ -1,3 +1,4 @@
+// unity: global scope (it specializes stagewise::skip_declarations, which a nested namespace cannot)
 #include "stagewise/pipe.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/runtime/detail/portal_tracker.hpp"

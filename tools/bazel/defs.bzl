@@ -1,4 +1,4 @@
-"""Build helpers for stagewise: doctest targets, header self-containment, must-not-compile tests."""
+"""Build helpers for stagewise: doctest targets (one binary per test folder), must-not-compile tests."""
 
 def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
     """A doctest test binary built from `<name>.cpp` against //:stagewise."""
@@ -13,52 +13,111 @@ def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
         **kwargs
     )
 
-def header_self_containment(name, hdrs, deps = ["//:stagewise"]):
-    """For each header, a generated .cpp that includes it twice, compiled as its own target."""
-    targets = []
-    for hdr in hdrs:
-        include = hdr[len("include/"):]
-        stem = include.replace("/", "_").replace(".", "_")
-        src = name + "/" + stem + ".cpp"
-        native.genrule(
-            name = stem + "_src",
-            outs = [src],
-            cmd = "printf '#include \"%s\"\\n#include \"%s\"\\n' > $@" % (include, include),
-        )
-        native.cc_library(
-            name = name + "_" + stem,
-            srcs = [src],
+def sw_test_folder(name, deps = [], size = "medium", shard_count = None, **kwargs):
+    """Every `*_test.cpp` of the package as one test binary `name`, compiled as one translation unit.
+
+    tools/unity_source writes the unit: each source whole, in a namespace of its own, after the
+    includes they all share. LibTorch's headers are then parsed once per folder, and the library code
+    the tests share is instantiated once (a folder of 13 tests compiles in about the time of two).
+    Each source also gets a target of its own, `<stem>` (tagged manual: `bazel test //...` skips it),
+    for working on one file; `--test_arg=--source-file=*stem*` runs one file's cases in the folder's.
+    `shard_count`: Bazel runs the binary in that many shards, each a share of the test cases
+    (tests/doctest_main.cpp).
+    """
+    srcs = native.glob(["*_test.cpp"])
+    hdrs = native.glob(["*.hpp"])
+    native.genrule(
+        name = name + "_unity",
+        srcs = srcs,
+        outs = [name + "_unity.cpp"],
+        cmd = "$(location //tools:unity_source) $@ $(SRCS)",
+        tools = ["//tools:unity_source"],
+    )
+    sw_test(
+        name = name,
+        srcs = [name + "_unity.cpp"] + hdrs,
+        deps = deps,
+        size = size,
+        shard_count = shard_count,
+        **kwargs
+    )
+    for src in srcs:
+        sw_test(
+            name = src[:-len(".cpp")],
+            srcs = [src] + hdrs,
             deps = deps,
+            size = size,
+            tags = ["manual"],
+            **kwargs
         )
-        targets.append(":" + name + "_" + stem)
-    native.filegroup(name = name, srcs = targets)
 
 def compile_fail_test(name, src):
     """Passes only if `src` fails to compile with the text of its `// expect-error:` line."""
     native.sh_test(
         name = name,
         srcs = ["//tools/bazel:compile_fail.sh"],
-        args = ["$(location %s)" % src],
-        data = [src, "//:headers"],
-        # A compiler run over LibTorch's headers: tens of seconds on a loaded 2-core machine.
+        args = ["$(location %s)" % src, "$(location //tools/bazel:torch_pch/torch_prefix.hpp)"],
+        data = [
+            src,
+            "//:headers",
+            "//tools/bazel:torch_pch/torch_prefix.hpp",
+            "//tools/bazel:torch_pch/torch_prefix.hpp.gch",
+        ],
+        # A compiler run over stagewise's headers, LibTorch's precompiled (//tools/bazel:torch_pch).
         size = "medium",
     )
 
-def sw_example(name, deps = [], **kwargs):
-    """An example program `<name>.cpp` (./bazelw run //examples:<name>), also run as a test."""
+def sw_example(name, deps = [], copts = ["-O2"], **kwargs):
+    """An example program `<name>.cpp`: ./bazelw run //examples:<name> builds and runs it alone.
+
+    Optimised even in the default (fastbuild) build: examples print speed-ups. Its test is one of
+    sw_examples_test's (the examples built as one program)."""
     native.cc_binary(
         name = name,
         srcs = [name + ".cpp"],
         # The sanitizer settings (no effect on a plain build), for --config=tsan / asan runs.
         deps = ["//:stagewise", "//tests/sanitizers:defaults"] + deps,
-        # Optimised even in the default (fastbuild) build: examples print speed-ups.
-        copts = ["-O2"],
+        copts = copts,
         **kwargs
     )
-    native.sh_test(
-        name = name + "_test",
-        srcs = ["//tools/bazel:run_example.sh"],
-        args = ["$(location :%s)" % name],
-        data = [":" + name],
-        size = "medium",
+
+def sw_examples_test(name, programs, deps = []):
+    """Every example as one program `name`, and a test `<example>_test` running each.
+
+    tools/unity_source --dispatch writes the examples as one translation unit, each in its own
+    namespace, with a main that runs the example its first argument names (`name quickstart`):
+    compiled once (the library code they share instantiated once) instead of once per example.
+    `programs`: example name -> ranks (0: run as a plain program; N: N ranks through tools/launch).
+    """
+    names = sorted(programs.keys())
+    native.genrule(
+        name = name + "_unity",
+        srcs = [n + ".cpp" for n in names],
+        outs = [name + "_unity.cpp"],
+        cmd = "$(location //tools:unity_source) --dispatch $@ $(SRCS)",
+        tools = ["//tools:unity_source"],
     )
+    native.cc_binary(
+        name = name,
+        srcs = [name + "_unity.cpp"],
+        deps = ["//:stagewise", "//tests/sanitizers:defaults"] + deps,
+        copts = ["-O2"],
+    )
+    for n in names:
+        ranks = programs[n]
+        if ranks:
+            native.sh_test(
+                name = n + "_test",
+                size = "medium",
+                srcs = ["//tools/bazel:run_launched.sh"],
+                args = ["$(location //tools:launch)", str(ranks), "$(location :%s)" % name, n],
+                data = [":" + name, "//tools:launch"],
+            )
+        else:
+            native.sh_test(
+                name = n + "_test",
+                size = "medium",
+                srcs = ["//tools/bazel:run_example.sh"],
+                args = ["$(location :%s)" % name, n],
+                data = [":" + name],
+            )
