@@ -74,7 +74,7 @@ def main(argv):
         table[k][phase] += dur
         counts[k][phase] += 1
     label = argv[2] if len(argv) > 2 else argv[1]
-    print("%s: core-seconds by kind (actions)" % label)
+    print("%s: seconds by kind of target (actions in brackets)" % label)
     print("| kind | compile | link | run | other | total |")
     print("| --- | --- | --- | --- | --- | --- |")
     grand = {p: 0.0 for p in PHASES}

@@ -14,6 +14,7 @@ header beyond c10/util compiles without the prefix (loading it costs more than s
 What a check asserts: the file compiles with -std=c++20 -Wall -Wextra -Werror after at most that
 prefix, i.e. it includes every stagewise and standard header it needs (LibTorch's own headers are
 LibTorch's to keep self-contained). -Winvalid-pch makes a prefix GCC would not use an error.
+Under Bazel's test sharding each shard checks every N-th file.
 The compiler is $CXX (default g++); LibTorch's C++ API include directory is
 $STAGEWISE_TORCH_API_INCLUDE (default /usr/include/torch/csrc/api/include), as in compile_fail.sh.
 """
@@ -92,7 +93,20 @@ def compile_one(source_text, path, pch):
     return path, result.returncode, result.stdout, time.monotonic() - start
 
 
+def shard(paths):
+    """Bazel's test sharding (shard_count): every N-th file, one compiler at a time (Bazel runs
+    the shards side by side); unsharded, every file, a compiler per core."""
+    total, index = os.environ.get("TEST_TOTAL_SHARDS"), os.environ.get("TEST_SHARD_INDEX")
+    if total is None or index is None:
+        return paths, os.cpu_count() or 2
+    status = os.environ.get("TEST_SHARD_STATUS_FILE")
+    if status:
+        open(status, "w").close()
+    return paths[int(index)::int(total)], 1
+
+
 def run_checks(kind, paths, pch):
+    paths, workers = shard(paths)
     jobs = []
     for p in paths:
         if kind == "headers":
@@ -104,7 +118,7 @@ def run_checks(kind, paths, pch):
     for p in paths:  # the include closures, before the threads share them
         closure(p)
     failed = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         for path, rc, out, secs in pool.map(lambda j: compile_one(j[0], j[1], pch), jobs):
             if rc != 0:
                 failed.append(path)
