@@ -1,5 +1,32 @@
 """Build helpers for stagewise: doctest targets (one binary per test folder), must-not-compile tests."""
 
+# LibTorch's headers precompiled (//tools/bazel:torch_pch): the prefix a compile-only check includes
+# first, and the two files its test needs at run time.
+TORCH_PREFIX = "//tools/bazel:torch_pch/torch_prefix.hpp"
+TORCH_PCH = [TORCH_PREFIX, TORCH_PREFIX + ".gch"]
+
+def unity_source(name, srcs, dispatch = False):
+    """`<name>.cpp`: the sources as one translation unit (tools/unity_source; --dispatch adds a main
+    that runs the program its first argument names)."""
+    native.genrule(
+        name = name,
+        srcs = srcs,
+        outs = [name + ".cpp"],
+        cmd = "$(location //tools:unity_source) %s$@ $(SRCS)" % ("--dispatch " if dispatch else ""),
+        tools = ["//tools:unity_source"],
+    )
+
+def syntax_check_test(name, mode, files, data, **kwargs):
+    """A test that syntax-checks `files` on the precompiled LibTorch prefix (tools/bazel/
+    syntax_check.py; mode "headers": each alone, included twice; "sources": each as it is)."""
+    native.sh_test(
+        name = name,
+        srcs = ["//tools/bazel:syntax_check.py"],
+        args = [mode, "--pch", "$(location %s)" % TORCH_PREFIX] + files,
+        data = data + TORCH_PCH,
+        **kwargs
+    )
+
 def sw_test(name, srcs = None, deps = [], size = "small", **kwargs):
     """A doctest test binary built from `<name>.cpp` against //:stagewise."""
     native.cc_test(
@@ -26,13 +53,7 @@ def sw_test_folder(name, deps = [], size = "medium", shard_count = None, **kwarg
     """
     srcs = native.glob(["*_test.cpp"])
     hdrs = native.glob(["*.hpp"])
-    native.genrule(
-        name = name + "_unity",
-        srcs = srcs,
-        outs = [name + "_unity.cpp"],
-        cmd = "$(location //tools:unity_source) $@ $(SRCS)",
-        tools = ["//tools:unity_source"],
-    )
+    unity_source(name = name + "_unity", srcs = srcs)
     sw_test(
         name = name,
         srcs = [name + "_unity.cpp"] + hdrs,
@@ -56,13 +77,8 @@ def compile_fail_test(name, src):
     native.sh_test(
         name = name,
         srcs = ["//tools/bazel:compile_fail.sh"],
-        args = ["$(location %s)" % src, "$(location //tools/bazel:torch_pch/torch_prefix.hpp)"],
-        data = [
-            src,
-            "//:headers",
-            "//tools/bazel:torch_pch/torch_prefix.hpp",
-            "//tools/bazel:torch_pch/torch_prefix.hpp.gch",
-        ],
+        args = ["$(location %s)" % src, "$(location %s)" % TORCH_PREFIX],
+        data = [src, "//:headers"] + TORCH_PCH,
         # A compiler run over stagewise's headers, LibTorch's precompiled (//tools/bazel:torch_pch).
         size = "medium",
     )
@@ -90,13 +106,7 @@ def sw_examples_test(name, programs, deps = []):
     `programs`: example name -> ranks (0: run as a plain program; N: N ranks through tools/launch).
     """
     names = sorted(programs.keys())
-    native.genrule(
-        name = name + "_unity",
-        srcs = [n + ".cpp" for n in names],
-        outs = [name + "_unity.cpp"],
-        cmd = "$(location //tools:unity_source) --dispatch $@ $(SRCS)",
-        tools = ["//tools:unity_source"],
-    )
+    unity_source(name = name + "_unity", srcs = [n + ".cpp" for n in names], dispatch = True)
     native.cc_binary(
         name = name,
         srcs = [name + "_unity.cpp"],
