@@ -57,10 +57,26 @@ inline void check_same_model(const Connection& c, const std::vector<std::string>
     for (std::string line; std::getline(in, line);) lines.push_back(line);
     return lines;
   };
-  // Every rank compares every rank with rank 0, so that all report the same first difference.
-  const auto reference = lines_of(0);
+  // Every rank reads every rank's signatures first, then compares them with rank 0's, so that
+  // all report the same first difference.
+  std::vector<std::vector<std::string>> all;
+  for (int r = 0; r < c.env.world_size; ++r) all.push_back(lines_of(r));
+  // The rank serving the store waits (bounded) until every rank has read them: it may start its
+  // first step, and fail or be killed there, only once no rank still needs the store to start.
+  // A rank that lost the store in between would otherwise report the store's raw socket error
+  // from its constructor instead of the step's failure.
+  c.store->set(key + "/read/" + std::to_string(c.env.rank), std::vector<std::uint8_t>{1});
+  if (c.serves_store) {
+    std::vector<std::string> read;
+    for (int r = 0; r < c.env.world_size; ++r) read.push_back(key + "/read/" + std::to_string(r));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!c.store->check(read) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  const auto& reference = all[0];
   for (int r = 1; r < c.env.world_size; ++r) {
-    const auto other = lines_of(r);
+    const auto& other = all[static_cast<std::size_t>(r)];
     TORCH_CHECK(reference.size() == other.size(), "stagewise::distributed: rank 0 built ",
                 reference.size(), " stages but rank ", r, " built ", other.size(),
                 "; every rank must build the same model and balance");
