@@ -53,6 +53,8 @@
 #include "stagewise/schedule/transfer_kind.hpp"
 #include "stagewise/schedule/verify.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/namespace.hpp"

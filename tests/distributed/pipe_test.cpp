@@ -150,6 +150,8 @@ TEST_SUITE("distributed pipe") {
             dp::compare(c, "bfs-" + m, sched::looped_bfs{2}, 2, mode, false, false);
             dp::compare(c, "zbv-" + m, sched::zero_bubble_v{}, 2, mode, false, false);
             dp::compare(c, "dpv-" + m, sched::dualpipe_v{}, 2, mode, false, false);
+            dp::compare(c, "vh-" + m, sched::v_half{}, 2, mode, false, false);
+            dp::compare(c, "vm-" + m, sched::v_min{}, 2, mode, false, false);
           }
         },
         240s);
@@ -173,6 +175,8 @@ TEST_SUITE("distributed pipe") {
             dp::compare(c, "skip-zb-" + m, sched::zero_bubble_h1{}, 1, mode, true, false);
             dp::compare(c, "skip-il-" + m, sched::interleaved_one_f_one_b{2}, 2, mode, true, false);
             dp::compare(c, "skip-zbv-" + m, sched::zero_bubble_v{}, 2, mode, true, false);
+            dp::compare(c, "skip-vh-" + m, sched::v_half{}, 2, mode, true, false);
+            dp::compare(c, "fused-vm-" + m, sched::v_min{}, 2, mode, false, true);
             dp::compare(c, "fused-gpipe-" + m, sched::gpipe{}, 1, mode, false, true);
             dp::compare(c, "fused-1f1b-" + m, sched::one_f_one_b{}, 1, mode, false, true);
             dp::compare(c, "fused-zb-" + m, sched::zero_bubble_h1{}, 1, mode, false, true);

@@ -7,6 +7,8 @@
 #include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <torch/torch.h>
@@ -107,6 +109,11 @@ TEST_SUITE("autocast: train_step") {
 
   TEST_CASE("ZB-V under bf16 autocast equals the unpipelined model in every checkpoint mode") {
     check_steps(sched::zero_bubble_v{}, sw::balance{2, 2, 2, 2}, true);
+  }
+
+  TEST_CASE("V-Half and V-Min under bf16 autocast equal the unpipelined model in every mode") {
+    check_steps(sched::v_half{}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
+    check_steps(sched::v_min{}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
   }
 
   TEST_CASE("DualPipeV under bf16 autocast equals the unpipelined model in every mode") {

@@ -6,6 +6,8 @@
 #include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <torch/torch.h>
@@ -59,6 +61,52 @@ TEST_SUITE("train_step: V-shaped, looped and CSV schedules") {
     check_equal_to_reference(sched::zero_bubble_v{}, sw::balance{2, 2, 2, 2}, true);
     check_equal_to_reference(sched::zero_bubble_v{}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
     check_equal_to_reference(sched::zero_bubble_v{}, sw::balance{3, 5}, true, 0.5);
+  }
+
+  TEST_CASE("V-Half's and V-Min's gradients equal unpipelined training in every checkpoint mode") {
+    for (const auto& b : {sw::balance{2, 2, 2, 2}, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}}) {
+      check_equal_to_reference(sched::v_half{}, b, true);
+      check_equal_to_reference(sched::v_min{}, b, true);
+    }
+    check_equal_to_reference(sched::v_min{}, sw::balance{3, 5}, true, 0.5);
+  }
+
+  TEST_CASE("V-Half and V-Min with the optimizer fused into backward equal the unfused step") {
+    // 3 steps of Adam on 8 stages (4 workers): fused into the V schedule's W passes, and
+    // train_step under the same schedule followed by the unfused optimizer.
+    for (auto mode : {sw::Checkpoint::never, sw::Checkpoint::always}) {
+      for (int which = 0; which < 2; ++which) {
+        CAPTURE(which);
+        torch::manual_seed(3);
+        auto fused_model = mlp();
+        torch::manual_seed(3);
+        auto plain_model = mlp();
+        const sw::balance b{1, 1, 1, 1, 1, 1, 1, 1};
+        auto fused_pipe = sw::Pipe(fused_model, b, sw::PipeOptions().chunks(4).checkpoint(mode));
+        auto plain_pipe = sw::Pipe(plain_model, b, sw::PipeOptions().chunks(4).checkpoint(mode));
+        const auto adam = torch::optim::AdamOptions(0.01);
+        sw::optim::FusedStep fused(fused_pipe->parameters(), adam);
+        torch::optim::Adam plain(plain_pipe->parameters(), adam);
+        for (int step = 0; step < 3; ++step) {
+          auto x = torch::randn({8, 6});
+          auto t = torch::randn({8, 3});
+          torch::Tensor a, c;
+          plain.zero_grad();
+          if (which == 0) {
+            a = fused_pipe->train_step(x, t, mse, fused, sched::v_half{});
+            c = plain_pipe->train_step(x, t, mse, sched::v_half{});
+          } else {
+            a = fused_pipe->train_step(x, t, mse, fused, sched::v_min{});
+            c = plain_pipe->train_step(x, t, mse, sched::v_min{});
+          }
+          plain.step();
+          CHECK(a.item<float>() == c.item<float>());
+        }
+        auto pf = fused_model->parameters();
+        auto pp = plain_model->parameters();
+        for (std::size_t k = 0; k < pf.size(); ++k) CHECK(pf[k].equal(pp[k]));
+      }
+    }
   }
 
   TEST_CASE("DualPipeV's gradients equal unpipelined training in every checkpoint mode") {

@@ -6,6 +6,8 @@
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
@@ -44,6 +46,8 @@ void for_each_schedule(int stages, int m, int checkpointed, Check check) {
           sched::plan(sched::interleaved_one_f_one_b{2}, stages, m, checkpointed));
     check("looped_bfs{2}", sched::plan(sched::looped_bfs{2}, stages, m, checkpointed));
     check("zb-v", sched::plan(sched::zero_bubble_v{}, stages, m, checkpointed));
+    check("v-half", sched::plan(sched::v_half{}, stages, m, checkpointed));
+    check("v-min", sched::plan(sched::v_min{}, stages, m, checkpointed));
     if (m >= stages) check("dualpipe-v", sched::plan(sched::dualpipe_v{}, stages, m, checkpointed));
   }
 }

@@ -7,6 +7,8 @@
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
@@ -63,7 +65,9 @@ TEST_CASE("every built-in schedule passes, checkpointed or not") {
                           sched::plan(sched::one_f_one_b{}, 4, 8, checkpointed),
                           sched::plan(sched::zero_bubble_h1{}, 2, 4, checkpointed),
                           sched::plan(sched::interleaved_one_f_one_b{2}, 4, 4, checkpointed),
-                          sched::plan(sched::zero_bubble_v{}, 4, 4, checkpointed)}) {
+                          sched::plan(sched::zero_bubble_v{}, 4, 4, checkpointed),
+                          sched::plan(sched::v_half{}, 8, 8, checkpointed),
+                          sched::plan(sched::v_min{}, 8, 8, checkpointed)}) {
       CHECK(!sched::check_reductions(p).has_value());
       CHECK_NOTHROW(sched::verify_reductions(p));
       std::size_t n = 0;

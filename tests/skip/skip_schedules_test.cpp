@@ -8,6 +8,8 @@
 #include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 #include "stagewise/skip/skippable.hpp"
 
@@ -110,6 +112,8 @@ std::vector<Case> cases(sw::balance three, sw::balance four) {
           make("interleaved_one_f_one_b", four, true, sched::interleaved_one_f_one_b{2}),
           make("looped_bfs", four, false, sched::looped_bfs{2}),
           make("zero_bubble_v", four, true, sched::zero_bubble_v{}),
+          make("v_half", four, true, sched::v_half{}),
+          make("v_min", four, true, sched::v_min{}),
           make("dualpipe_v", four, true, sched::dualpipe_v{})};
 }
 
