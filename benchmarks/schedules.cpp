@@ -271,7 +271,8 @@ int main() {
   std::map<int, std::map<std::string, Result>> results;
   for (int k : {2, 4}) {
     std::printf(
-        "K=%d workers (%d stages; interleaved, ZB-V, DualPipeV: %d stages, 2 per worker), %d "
+        "K=%d workers (%d stages; interleaved, ZB-V, DualPipeV, V-Half, V-Min: %d stages, 2 per "
+        "worker), %d "
         "rounds\n",
         k, k, 2 * k, kRounds);
     std::vector<Candidate> cs;
@@ -282,6 +283,8 @@ int main() {
     cs.push_back(candidate("zero_bubble_h1", seq, k, sched::zero_bubble_h1{}, x, t));
     cs.push_back(candidate("zero_bubble_v", seq, 2 * k, sched::zero_bubble_v{}, x, t));
     cs.push_back(candidate("dualpipe_v", seq, 2 * k, sched::dualpipe_v{}, x, t));
+    cs.push_back(candidate("v_half", seq, 2 * k, sched::v_half{}, x, t));
+    cs.push_back(candidate("v_min", seq, 2 * k, sched::v_min{}, x, t));
     measure(cs, kRounds);
     header();
     for (auto& c : cs) {
@@ -299,13 +302,37 @@ int main() {
         r["zero_bubble_h1"].predicted_ms / r["one_f_one_b"].predicted_ms,
         r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib,
         r["zero_bubble_h1"].worker_mib / r["one_f_one_b"].worker_mib);
-    std::printf(
-        "  ZB-V / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
-        "costs); peak memory: %.3f in all, %.3f per worker\n",
-        r["zero_bubble_v"].step_ms / r["one_f_one_b"].step_ms, r["zero_bubble_v"].min_ms / r["one_f_one_b"].min_ms,
-        r["zero_bubble_v"].predicted_ms / r["one_f_one_b"].predicted_ms,
-        r["zero_bubble_v"].peak_mib / r["one_f_one_b"].peak_mib,
-        r["zero_bubble_v"].worker_mib / r["one_f_one_b"].worker_mib);
+    for (const char* v : {"zero_bubble_v", "v_half", "v_min"}) {
+      std::printf(
+          "  %s / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
+          "costs); peak memory: %.3f in all, %.3f per worker (worst; simulator: %d / %d cells "
+          "of half a worker's share, against 1F1B's %d whole)\n",
+          v, r[v].step_ms / r["one_f_one_b"].step_ms, r[v].min_ms / r["one_f_one_b"].min_ms,
+          r[v].predicted_ms / r["one_f_one_b"].predicted_ms, r[v].peak_mib / r["one_f_one_b"].peak_mib,
+          r[v].worker_mib / r["one_f_one_b"].worker_mib, r[v].worker_cells, 2 * k,
+          r["one_f_one_b"].worker_cells);
+    }
+  }
+  {
+    // Where each schedule pays: the simulator's peak (micro-batches of a worker's share, the
+    // worst worker) and bubble for K workers and M = 2K micro-batches, T_F = T_B = T_W.
+    std::printf("simulator, M = 2K, T_F = T_B = T_W: peak micro-batches per worker (worst) / bubble\n");
+    std::printf("  %4s %14s %14s %14s %14s %14s\n", "K", "1F1B", "ZB-H1", "ZB-V", "V-Half", "V-Min");
+    for (int k = 2; k <= 16; k += 2) {
+      auto cell = [&](auto s, int stages, double v) {
+        const sched::Costs c{1.0 / v, 1.0 / v, 1.0 / v};
+        const auto sim = sched::simulate(s, stages, 2 * k, c);
+        const int peak = *std::max_element(sim.worker_peak_in_flight.begin(),
+                                           sim.worker_peak_in_flight.end());
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%5.1f / %.3f", peak / v, sim.bubble());
+        return std::string(buf);
+      };
+      std::printf("  %4d %14s %14s %14s %14s %14s\n", k, cell(sched::one_f_one_b{}, k, 1).c_str(),
+                  cell(sched::zero_bubble_h1{}, k, 1).c_str(),
+                  cell(sched::zero_bubble_v{}, 2 * k, 2).c_str(),
+                  cell(sched::v_half{}, 2 * k, 2).c_str(), cell(sched::v_min{}, 2 * k, 2).c_str());
+    }
   }
   {
     const auto c = split_cost(kBlocks / 2, kBatch / kChunks, 31);
@@ -323,6 +350,13 @@ int main() {
        << " zbv_ms=" << r2.at("zero_bubble_v").step_ms
        << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib
        << " zb_vs_1f1b=" << r2.at("zero_bubble_h1").step_ms / r2.at("one_f_one_b").step_ms;
+  // V-Half and V-Min at K = 4 (at K = 2 their caps equal ZB-V's): per-worker peak above its
+  // baseline and step time, over 1F1B's.
+  const auto& r4 = results[4];
+  last << " vhalf_peak_ratio=" << r4.at("v_half").worker_mib / r4.at("one_f_one_b").worker_mib
+       << " vmin_peak_ratio=" << r4.at("v_min").worker_mib / r4.at("one_f_one_b").worker_mib
+       << " vhalf_time_ratio=" << r4.at("v_half").step_ms / r4.at("one_f_one_b").step_ms
+       << " vmin_time_ratio=" << r4.at("v_min").step_ms / r4.at("one_f_one_b").step_ms;
   std::cout << last.str() << std::endl;
   return 0;
 }

@@ -3,7 +3,7 @@
 //                [--checkpointed=0] [--title=TEXT] --out=file.svg
 // --stages is the number of workers K. With --schedule=interleaved_one_f_one_b or looped_bfs and
 // --virtual=v the model is cut into v x K stages, each costing 1/v of a whole stage; the
-// V-shaped zero_bubble_v and dualpipe_v always cut it into 2K stages (two per worker, costing
+// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per worker, costing
 // 1/2 each), so pictures of different schedules show the same model. --costs are T_F, T_B
 // (input-gradient part) and T_W. Prints the makespan, the bubble and the peak micro-batches in
 // flight.
@@ -15,6 +15,8 @@
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
+#include "stagewise/schedule/v_half.hpp"
+#include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
@@ -34,7 +36,7 @@ int usage(const std::string& problem) {
       stderr,
       "schedule_svg: %s\n"
       "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|looped_bfs|\n"
-      "                               zero_bubble_h1|zero_bubble_v|dualpipe_v\n"
+      "                               zero_bubble_h1|zero_bubble_v|dualpipe_v|v_half|v_min\n"
       "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
       "                    [--title=TEXT] --out=FILE.svg\n",
       problem.c_str());
@@ -106,11 +108,18 @@ int main(int argc, char** argv) {
       sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
       sim = sched::simulate(sched::looped_bfs{v}, k * v, m, part, checkpointed);
       label = "looped BFS, v=" + std::to_string(v);
-    } else if (name == "zero_bubble_v" || name == "dualpipe_v") {
+    } else if (name == "zero_bubble_v" || name == "dualpipe_v" || name == "v_half" ||
+               name == "v_min") {
       sched::Costs half{costs.forward / 2, costs.input_grad / 2, costs.weight_grad / 2, -1.0};
       if (name == "zero_bubble_v") {
         sim = sched::simulate(sched::zero_bubble_v{}, 2 * k, m, half, checkpointed);
         label = "ZB-V";
+      } else if (name == "v_half") {
+        sim = sched::simulate(sched::v_half{}, 2 * k, m, half, checkpointed);
+        label = "V-Half";
+      } else if (name == "v_min") {
+        sim = sched::simulate(sched::v_min{}, 2 * k, m, half, checkpointed);
+        label = "V-Min";
       } else {
         sim = sched::simulate(sched::dualpipe_v{}, 2 * k, m, half, checkpointed);
         label = "DualPipeV";

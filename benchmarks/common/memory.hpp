@@ -80,6 +80,19 @@ class CountingAllocator final : public c10::Allocator {
     return most;
   }
 
+  /// Each thread's rise over `before` since the last reset_peak(), as `max_thread_rise` takes it
+  /// (one entry per thread, in the order they first allocated).
+  std::vector<long long> thread_rises(const std::vector<long long>& before) const {
+    std::lock_guard<std::mutex> lock(threads_mutex_);
+    std::vector<long long> out;
+    std::size_t i = 0;
+    for (const auto& t : threads_) {
+      out.push_back(t.peak.load() - (i < before.size() ? before[i] : 0));
+      ++i;
+    }
+    return out;
+  }
+
   static CountingAllocator*& instance() {
     static CountingAllocator* self = nullptr;
     return self;

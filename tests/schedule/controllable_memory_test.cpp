@@ -10,6 +10,7 @@
 #include "stagewise/schedule/v_half.hpp"
 #include "stagewise/schedule/v_min.hpp"
 #include "stagewise/schedule/verify.hpp"
+#include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
@@ -112,6 +113,25 @@ TEST_SUITE("V-Half and V-Min") {
     CHECK(ofob == 69.0);
     CHECK(sched::simulate(sched::v_half{}, 16, 16, half_stage).makespan() <= 0.91 * ofob);
     CHECK(sched::simulate(sched::v_min{}, 16, 16, half_stage).makespan() <= 1.01 * ofob);
+  }
+
+  TEST_CASE("peak_bytes weighs cells by what they keep before and after I, and a backward's work") {
+    for (const auto& p : {sched::plan(sched::one_f_one_b{}, 4, 8), sched::plan(sched::v_min{}, 8, 8),
+                          sched::plan(sched::v_half{}, 8, 8), sched::plan(sched::gpipe{}, 3, 5)}) {
+      const auto cells = sched::simulate(p).worker_peak_in_flight;
+      const auto bytes = sched::peak_bytes(p, {sched::CellBytes{}});
+      for (std::size_t w = 0; w < cells.size(); ++w) CHECK(bytes[w] == cells[w]);
+    }
+    // One stage, one micro-batch: F keeps 2, a backward works with 1 more; I leaves 3 for W.
+    const sched::CellBytes b{2.0, 3.0, 1.0};
+    CHECK(sched::peak_bytes(sched::plan(sched::one_f_one_b{}, 1, 1), {b}) == std::vector<double>{3});
+    const auto zb = sched::plan(sched::zero_bubble_h1{}, 1, 2);  // F0 I0 W0 F1 I1 W1 or similar
+    CHECK(sched::peak_bytes(zb, {sched::CellBytes{2.0, 5.0, 0.0}})[0] >= 5.0);
+    // Per stage: stage 1 twice as heavy.
+    const auto two = sched::plan(sched::gpipe{}, 2, 2);
+    CHECK(sched::peak_bytes(two, {{1.0, 1.0, 0.0}, {2.0, 2.0, 0.0}}) == std::vector<double>{2, 4});
+    CHECK(contains(error_of([&] { (void)sched::peak_bytes(two, {{}, {}, {}}); }),
+                   "give one CellBytes for every stage (2), or one for all; got 3"));
   }
 
   TEST_CASE("PyTorch's CSV carries them: from_csv(to_csv(plan)) plans the same programs") {

@@ -35,6 +35,8 @@ check zero_bubble 96 --schedule=zero_bubble_h1 --stages=4 --micro=8
 check looped_bfs 128 --schedule=looped_bfs --stages=4 --micro=8 --virtual=2
 check zero_bubble_v 192 --schedule=zero_bubble_v --stages=4 --micro=8
 check dualpipe_v 150 --schedule=dualpipe_v --stages=4 --micro=8
+check v_half 192 --schedule=v_half --stages=4 --micro=8
+check v_min 192 --schedule=v_min --stages=4 --micro=8
 check checkpointed 96 --schedule=one_f_one_b --stages=4 --micro=8 --checkpointed=8
 
 expect_error() {  # text args...
