@@ -137,22 +137,25 @@ Simulation simulate(const Plan& plan, const Cost& cost) {
 /// What one cell (micro-batch, stage) holds, for `peak_bytes`: from its F until its backward,
 /// `forward` (the activations its backward needs); from its I until its W, `input_grad` (what the
 /// weight gradient still needs: each layer's input and output gradient). A full B frees the cell
-/// at once. While a B or an I runs it allocates `working` more (gradients of activations, each
-/// weight gradient before it is added in). Measure them on one stage alone: a forward and a
-/// backward; a forward and SplitBackward::input_grad.
+/// at once. While a backward runs it allocates more (gradients of activations, each weight
+/// gradient before it is added in): `working` above the cell's bytes during a B or an I,
+/// `weight_working` above them during a W (on the first stage, whose input needs no gradient, I
+/// has nothing to do and W runs the whole backward). Measure them on one stage alone: a forward
+/// and a backward; a forward, SplitBackward::input_grad and weight_grad.
 ///   stagewise::schedule::CellBytes{.forward = 131072, .input_grad = 262144, .working = 131584}
 struct CellBytes {
   double forward = 1.0;
   double input_grad = 1.0;
   double working = 0.0;
+  double weight_working = 0.0;
 };
 
 /// Per worker, the most bytes its stages' cells hold at once (no checkpointing: a cell keeps its
 /// activations from F to its backward), counted along the worker's program, which is exact since
 /// a worker performs its actions in order: + forward at F, + (input_grad - forward) at I,
 /// - input_grad at W, - forward at B. `bytes[s]` for stage s, or one entry for every stage; with
-/// `CellBytes{}` this is `Simulation::worker_peak_in_flight`. While a B or an I runs, its
-/// `working` bytes count too.
+/// `CellBytes{}` this is `Simulation::worker_peak_in_flight`. While a B, an I or a W runs, its
+/// working bytes count too.
 ///   auto peak = stagewise::schedule::peak_bytes(plan, {{131072, 196608}});
 inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBytes>& bytes) {
   TORCH_CHECK(bytes.size() == 1 || static_cast<int>(bytes.size()) == plan.stages,
@@ -167,6 +170,7 @@ inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBy
       if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
         peak = std::max(peak, now + b.working);
       }
+      if (a.kind == ActionKind::weight_grad) peak = std::max(peak, now + b.weight_working);
       if (a.kind == ActionKind::forward) now += b.forward;
       if (a.kind == ActionKind::input_grad) now += b.input_grad - b.forward;
       if (a.kind == ActionKind::weight_grad) now -= b.input_grad;
