@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "benchmarks/common/cell_bytes.hpp"
 #include "benchmarks/common/memory.hpp"
 #include "benchmarks/common/timing.hpp"
 
@@ -232,6 +233,117 @@ void row(const std::string& name, const Result& r) {
               costs.str().c_str());
 }
 
+// --- Activation memory per worker: what V-Half and V-Min are for -------------------------------
+// A model whose blocks keep most of their activations inside (Linear(64, 512), ReLU,
+// Linear(512, 64)), so that what a worker's thread allocates is what its cells keep: the
+// in-process pipe shares a stage's output with the next stage instead of copying it to another
+// device, and that output is counted on the thread that made it.
+constexpr int kMemWidth = 64;
+constexpr int kMemHidden = 512;
+constexpr int kMemBlocks = 16;
+constexpr int kMemRows = 128;  // per micro-batch
+constexpr int kMemRounds = 7;
+
+torch::nn::Sequential bottleneck(int blocks) {
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < blocks; ++i) {
+    seq->push_back(torch::nn::Linear(kMemWidth, kMemHidden));
+    seq->push_back(torch::nn::ReLU());
+    seq->push_back(torch::nn::Linear(kMemHidden, kMemWidth));
+  }
+  return seq;
+}
+
+struct MemoryRow {
+  std::string name;
+  int stages = 0;
+  bool split = false;
+  std::function<void()> step;
+  sched::Plan plan;
+  std::vector<double> step_ms;
+  std::vector<long long> measured;  // per worker, peak rise in one step
+  std::vector<double> predicted;    // schedule::peak_bytes
+};
+
+template <class Schedule>
+MemoryRow memory_row(const std::string& name, int k, int stages, bool split, Schedule s) {
+  auto seq = bottleneck(kMemBlocks);
+  auto pipe = sw::Pipe(seq, sw::even_balance(seq->size(), stages),
+                       sw::PipeOptions().chunks(2 * k).checkpoint("never"));
+  const auto x = torch::randn({kMemRows * 2 * k, kMemWidth});
+  const auto t = torch::randn({kMemRows * 2 * k, kMemWidth});
+  MemoryRow r;
+  r.name = name;
+  r.stages = stages;
+  r.split = split;
+  r.step = [pipe, s, x, t]() mutable { pipe->train_step(x, t, mse, s); };
+  r.plan = sched::plan(s, stages, 2 * k);
+  return r;
+}
+
+// Returns {V-Half, V-Min} x {peak ratio, time ratio} over 1F1B's, the worst worker and medians.
+std::vector<double> memory_section(int k) {
+  auto& memory = sw::bench::counting_allocator();
+  std::vector<MemoryRow> rows;
+  rows.push_back(memory_row("one_f_one_b", k, k, false, sched::one_f_one_b{}));
+  rows.push_back(memory_row("zero_bubble_h1", k, k, true, sched::zero_bubble_h1{}));
+  rows.push_back(memory_row("zero_bubble_v", k, 2 * k, true, sched::zero_bubble_v{}));
+  rows.push_back(memory_row("v_half", k, 2 * k, true, sched::v_half{}));
+  rows.push_back(memory_row("v_min", k, 2 * k, true, sched::v_min{}));
+  for (auto& r : rows) r.step();  // warm-up: gradients exist from here on
+  for (int round = 0; round < kMemRounds; ++round) {
+    for (auto& r : rows) r.step_ms.push_back(median_us([&] { r.step(); }, 1, 0) / 1000.0);
+  }
+  for (auto& r : rows) {
+    std::sort(r.step_ms.begin(), r.step_ms.end());
+    const auto before = memory.thread_current();
+    memory.reset_peak();
+    r.step();
+    // Only this pipe's workers allocate during its step: its threads, in the order they were made.
+    for (long long rise : memory.thread_rises(before)) {
+      if (rise > 1024) r.measured.push_back(rise);
+    }
+    const int per_stage = kMemBlocks / r.stages;
+    std::vector<sched::CellBytes> bytes;
+    for (int j = 0; j < r.stages; ++j) {
+      bytes.push_back(sw::bench::cell_bytes(bottleneck(per_stage), kMemRows, kMemWidth, j == 0,
+                                            j == r.stages - 1, r.split));
+    }
+    r.predicted = sched::peak_bytes(r.plan, bytes);
+  }
+  std::printf(
+      "activation memory, K=%d workers, M=%d, %d x [Linear(%d,%d), ReLU, Linear(%d,%d)], %d rows "
+      "per micro-batch, %d rounds: per worker, peak KiB above its baseline in one step "
+      "(measured / schedule::peak_bytes)\n",
+      k, 2 * k, kMemBlocks, kMemWidth, kMemHidden, kMemHidden, kMemWidth, kMemRows, kMemRounds);
+  std::printf("  %-16s %9s %9s %9s %9s %9s | %s\n", "schedule", "median ms", "min", "max",
+              "worst KiB", "/ 1F1B", "per worker: measured/predicted KiB");
+  auto worst = [](const MemoryRow& r) {
+    return r.measured.empty() ? 0.0
+                              : double(*std::max_element(r.measured.begin(), r.measured.end()));
+  };
+  const double base_peak = worst(rows[0]);
+  const double base_ms = rows[0].step_ms[rows[0].step_ms.size() / 2];
+  for (const auto& r : rows) {
+    std::string per;
+    for (std::size_t w = 0; w < r.predicted.size(); ++w) {
+      const double m = w < r.measured.size() ? double(r.measured[w]) / 1024 : -1.0;
+      char buf[48];
+      std::snprintf(buf, sizeof buf, " %.0f/%.0f", m, r.predicted[w] / 1024);
+      per += buf;
+    }
+    std::printf("  %-16s %9.2f %9.2f %9.2f %9.0f %9.3f |%s\n", r.name.c_str(),
+                r.step_ms[r.step_ms.size() / 2], r.step_ms.front(), r.step_ms.back(),
+                worst(r) / 1024, worst(r) / base_peak, per.c_str());
+  }
+  const auto& half = rows[3];
+  const auto& min = rows[4];
+  return {worst(half) / base_peak, worst(min) / base_peak,
+          half.step_ms[half.step_ms.size() / 2] / base_ms,
+          min.step_ms[min.step_ms.size() / 2] / base_ms};
+}
+
 }  // namespace
 
 int main() {
@@ -341,6 +453,8 @@ int main() {
         "= %.3f ms (%.2fx)\n",
         kBlocks / 2, kBatch / kChunks, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0]);
   }
+  memory_section(4);
+  const auto v8 = memory_section(8);
   std::printf("load average at end: %s\n", load().c_str());
   const auto& r2 = results[2];
   std::ostringstream last;
@@ -350,13 +464,10 @@ int main() {
        << " zbv_ms=" << r2.at("zero_bubble_v").step_ms
        << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib
        << " zb_vs_1f1b=" << r2.at("zero_bubble_h1").step_ms / r2.at("one_f_one_b").step_ms;
-  // V-Half and V-Min at K = 4 (at K = 2 their caps equal ZB-V's): per-worker peak above its
-  // baseline and step time, over 1F1B's.
-  const auto& r4 = results[4];
-  last << " vhalf_peak_ratio=" << r4.at("v_half").worker_mib / r4.at("one_f_one_b").worker_mib
-       << " vmin_peak_ratio=" << r4.at("v_min").worker_mib / r4.at("one_f_one_b").worker_mib
-       << " vhalf_time_ratio=" << r4.at("v_half").step_ms / r4.at("one_f_one_b").step_ms
-       << " vmin_time_ratio=" << r4.at("v_min").step_ms / r4.at("one_f_one_b").step_ms;
+  // V-Half and V-Min at K = 8, M = 16 (memory section): the worst worker's peak above its
+  // baseline and the step time, over 1F1B's.
+  last << " vhalf_peak_ratio=" << v8[0] << " vmin_peak_ratio=" << v8[1]
+       << " vhalf_time_ratio=" << v8[2] << " vmin_time_ratio=" << v8[3];
   std::cout << last.str() << std::endl;
   return 0;
 }

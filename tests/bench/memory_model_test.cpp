@@ -5,6 +5,7 @@
 // most of their activations inside: a stage's output, made and counted on its worker, lives
 // until the next stage's backward, which the per-worker model does not follow: where stage
 // outputs are a large part of what a cell keeps, the prediction is less close.
+#include "benchmarks/common/cell_bytes.hpp"
 #include "benchmarks/common/memory.hpp"
 
 #include <stagewise/stagewise.hpp>
@@ -45,73 +46,6 @@ torch::nn::Sequential model(int blocks) {
   return seq;
 }
 
-// What one cell costs a worker, measured on a stage of `blocks` blocks alone (its parameters'
-// gradients already there, as in a pipe after its first step): the bytes its forward keeps until
-// its backward, and the most its backward allocates above them while it runs (the incoming and
-// outgoing gradients, each weight gradient before it is added in).
-struct CellCost {
-  sched::CellBytes bytes;  // kept from F to I, from I to W, and a backward's working memory
-};
-
-// `split_backward`: the schedule splits backwards into I and W. `first`: the first stage, whose
-// micro-batch needs no gradient, so that its I has nothing to do and its W runs the whole
-// backward. `last`: the last stage, whose backward starts from the loss.
-CellCost cell_cost(int blocks, bool first, bool last, bool split_backward) {
-  auto& memory = sw::bench::counting_allocator();
-  auto stage = model(blocks);
-  auto x = torch::randn({kRows, kWidth});
-  auto t = torch::randn({kRows, kWidth});
-  auto g = torch::randn({kRows, kWidth});
-  auto backward = [&](const torch::Tensor& y) {
-    if (last) {
-      mse(y, t).backward();
-    } else {
-      y.backward(g);
-    }
-  };
-  backward(stage->forward(x));  // the gradients exist
-  CellCost c;
-  const long long before = memory.current();
-  double whole_working = 0;
-  {
-    // Kept from F to the backward, and a whole backward's working memory.
-    auto y = stage->forward(x);
-    c.bytes.forward = static_cast<double>(memory.current() - before);
-    memory.reset_peak();
-    backward(y);
-    whole_working = static_cast<double>(memory.peak() - before) - c.bytes.forward;
-  }
-  if (!split_backward) {
-    c.bytes.working = whole_working;
-    return c;
-  }
-  if (first) {
-    c.bytes.input_grad = c.bytes.forward;
-    c.bytes.weight_working = whole_working;
-    return c;
-  }
-  // I keeps what W needs (each layer's input and output gradient); W then works on top of it.
-  auto leaf = x.detach().requires_grad_();
-  auto y = stage->forward(leaf);
-  const double kept = static_cast<double>(memory.current() - before);
-  memory.reset_peak();
-  sw::runtime::SplitBackward split;
-  if (last) {
-    auto loss = mse(y, t);
-    split.input_grad({loss}, {torch::ones_like(loss)}, {leaf});
-  } else {
-    split.input_grad({y}, {g}, {leaf});
-  }
-  c.bytes.working = static_cast<double>(memory.peak() - before) - kept;
-  y = torch::Tensor();
-  leaf = torch::Tensor();
-  c.bytes.input_grad = static_cast<double>(memory.current() - before);
-  memory.reset_peak();
-  split.weight_grad();
-  c.bytes.weight_working = static_cast<double>(memory.peak() - before) - c.bytes.input_grad;
-  return c;
-}
-
 // Each worker's measured peak rise in one step after a warm-up, beside schedule::peak_bytes for
 // its cells.
 template <class S>
@@ -134,7 +68,8 @@ void check_schedule(const std::string& name, S s, int stages, bool split, double
   // and the working memory of each backward part while it runs.
   std::vector<sched::CellBytes> bytes;
   for (int j = 0; j < stages; ++j) {
-    bytes.push_back(cell_cost(blocks, j == 0, j == stages - 1, split).bytes);
+    bytes.push_back(sw::bench::cell_bytes(model(blocks), kRows, kWidth, j == 0, j == stages - 1,
+                                          split));
   }
   const auto predicted = sched::peak_bytes(plan, bytes);
   // This pipe's workers are the newest threads, made in worker order.

@@ -1,0 +1,82 @@
+#pragma once
+
+// What one cell (micro-batch, stage) of a pipeline keeps and works with, measured on one stage
+// alone with the counting allocator: the numbers schedule::peak_bytes turns into each worker's
+// predicted peak (see tests/bench/memory_model_test.cpp and benchmarks/schedules.cpp).
+
+#include "benchmarks/common/memory.hpp"
+
+#include <stagewise/runtime/split_backward.hpp>
+#include <stagewise/schedule/simulate.hpp>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+namespace stagewise::bench {
+
+/// The CellBytes of `stage` on micro-batches of `rows` x `width` (checkpoint never), with the
+/// stage's parameters' gradients already there, as in a pipe after its first step.
+/// `split_backward`: the schedule splits backwards into I and W. `first`: the first stage, whose
+/// micro-batch needs no gradient, so that its I has nothing to do and its W runs the whole
+/// backward. `last`: the last stage, whose backward starts from the loss (mean squared error).
+///   auto b = stagewise::bench::cell_bytes(stage, 64, 16, false, false, true);
+inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t rows,
+                                      std::int64_t width, bool first, bool last,
+                                      bool split_backward) {
+  auto forward = [&](const torch::Tensor& in) { return stage->forward(in); };
+  auto& memory = counting_allocator();
+  auto x = torch::randn({rows, width});
+  auto t = torch::randn({rows, width});
+  auto g = torch::randn({rows, width});
+  auto backward = [&](const torch::Tensor& y) {
+    if (last) {
+      torch::mse_loss(y, t).backward();
+    } else {
+      y.backward(g);
+    }
+  };
+  backward(forward(x));  // the gradients exist
+  schedule::CellBytes c;
+  const long long before = memory.current();
+  double whole_working = 0;
+  {
+    // Kept from F to the backward, and a whole backward's working memory.
+    auto y = forward(x);
+    c.forward = static_cast<double>(memory.current() - before);
+    memory.reset_peak();
+    backward(y);
+    whole_working = static_cast<double>(memory.peak() - before) - c.forward;
+  }
+  if (!split_backward) {
+    c.working = whole_working;
+    return c;
+  }
+  if (first) {
+    c.input_grad = c.forward;
+    c.weight_working = whole_working;
+    return c;
+  }
+  // I keeps what W needs (each layer's input and output gradient); W then works on top of it.
+  auto leaf = x.detach().requires_grad_();
+  auto y = forward(leaf);
+  const double kept = static_cast<double>(memory.current() - before);
+  memory.reset_peak();
+  runtime::SplitBackward split;
+  if (last) {
+    auto loss = torch::mse_loss(y, t);
+    split.input_grad({loss}, {torch::ones_like(loss)}, {leaf});
+  } else {
+    split.input_grad({y}, {g}, {leaf});
+  }
+  c.working = static_cast<double>(memory.peak() - before) - kept;
+  y = torch::Tensor();
+  leaf = torch::Tensor();
+  c.input_grad = static_cast<double>(memory.current() - before);
+  memory.reset_peak();
+  split.weight_grad();
+  c.weight_working = static_cast<double>(memory.peak() - before) - c.input_grad;
+  return c;
+}
+
+}  // namespace stagewise::bench
