@@ -210,6 +210,8 @@ TEST_SUITE("distributed pipe x data parallel") {
             dp2::compare(c, "zb-" + m, sched::zero_bubble_h1{}, 1, mode, false, dp2::Opt::sgd);
             dp2::compare(c, "il-" + m, sched::interleaved_one_f_one_b{2}, 2, mode, false,
                          dp2::Opt::sgd);
+            dp2::compare(c, "vh-" + m, sched::v_half{}, 2, mode, false, dp2::Opt::sgd);
+            dp2::compare(c, "vm-" + m, sched::v_min{}, 2, mode, false, dp2::Opt::sgd);
           }
           dp2::compare(c, "adam-1f1b", sched::one_f_one_b{}, 1, sw::Checkpoint::except_last, false,
                        dp2::Opt::adam);
@@ -241,6 +243,7 @@ TEST_SUITE("distributed pipe x data parallel") {
                        dp2::Opt::fused_sgd);
           dp2::compare(c, "fused-il", sched::interleaved_one_f_one_b{2}, 2, except, false,
                        dp2::Opt::fused_sgd);
+          dp2::compare(c, "fused-skip-vm", sched::v_min{}, 2, except, true, dp2::Opt::fused_sgd);
           dp2::compare(c, "fused-skip-1f1b", sched::one_f_one_b{}, 1, except, true,
                        dp2::Opt::fused_sgd);
           std::printf("rank %d: largest relative difference %.3g\n", rank, dp2::largest());

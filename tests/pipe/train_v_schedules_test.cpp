@@ -2,6 +2,7 @@
 // placement), a schedule read from PyTorch's CSV, and recomputes placed by the schedule; each
 // gives the loss and gradients of unpipelined training on the same micro-batches, bit for bit.
 #include "stagewise/pipe.hpp"
+#include "stagewise/schedule/choose.hpp"
 #include "stagewise/schedule/csv.hpp"
 #include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/looped_bfs.hpp"
@@ -106,6 +107,22 @@ TEST_SUITE("train_step: V-shaped, looped and CSV schedules") {
         auto pp = plain_model->parameters();
         for (std::size_t k = 0; k < pf.size(); ++k) CHECK(pf[k].equal(pp[k]));
       }
+    }
+  }
+
+  TEST_CASE("the pipe takes schedule::choose's answer: its stages and its any_schedule") {
+    // 4 workers, 4 micro-batches: the fastest is ZB-V; a limit of 2 micro-batches per worker
+    // leaves V-Min.
+    for (double limit : {100.0, 2.0}) {
+      const auto c =
+          sched::choose(4, 4, {}, sched::ActivationLimit::micro_batches(limit),
+                        {{sched::any_schedule("one_f_one_b", sched::one_f_one_b{}), 1},
+                         {sched::any_schedule("zero_bubble_v", sched::zero_bubble_v{}), 2},
+                         {sched::any_schedule("v_min", sched::v_min{}), 2}});
+      CAPTURE(limit);
+      CHECK(c.stages == 8);
+      CHECK(c.schedule.name() == (limit > 2 ? "zero_bubble_v" : "v_min"));
+      check_equal_to_reference(c.schedule, sw::balance{1, 1, 1, 1, 1, 1, 1, 1}, true);
     }
   }
 
