@@ -101,6 +101,29 @@ TEST_SUITE("choose") {
     CHECK(half_named);
   }
 
+  TEST_CASE("a limit in CellBytes counts what a cell keeps after its I until its W") {
+    // A cell that keeps twice as much between I and W (an MLP: the layer inputs and the output
+    // gradients): V-Min holds 2 micro-batches in cells, but its peak in bytes is what
+    // peak_bytes says, and a split-backward schedule may no longer fit where 1F1B, whose B frees
+    // the cell at once, does.
+    const sched::CellBytes cell{100.0, 200.0, 0.0, 0.0};
+    const auto c = sched::choose(4, 8, {}, ActivationLimit::cell_bytes(400, {cell}));
+    for (const auto& e : c.all) {
+      CAPTURE(e.name);
+      if (e.name == "one_f_one_b") {
+        CHECK(e.fits);
+        CHECK(e.peak_bytes[0] == 400.0);  // K cells of 100 on worker 0
+      }
+      if (e.name == "v_min") {
+        CHECK(e.peak_bytes.size() == 4);
+        const auto p = sched::plan(sched::v_min{}, 8, 8);
+        CHECK(e.peak_bytes == sched::peak_bytes(p, {sched::CellBytes{50.0, 100.0, 0.0, 0.0}}));
+      }
+    }
+    CHECK(c.chosen.fits);
+    CHECK(c.chosen.peak_bytes[0] <= 400.0);
+  }
+
   TEST_CASE("a schedule that cannot run is rejected with its own error") {
     // DualPipeV needs M >= 2K.
     const auto c = sched::choose(4, 6, {}, ActivationLimit::none());

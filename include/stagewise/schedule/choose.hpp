@@ -29,8 +29,11 @@ namespace stagewise::schedule {
 
 /// How much activation memory each worker (a device) may hold, for `choose`: a number of
 /// micro-batches of the worker's whole share of the model (1F1B's stage 0 holds K of them; a V
-/// schedule's cell is half of one), or bytes, with the bytes one micro-batch's activations take
-/// on each worker (measured, e.g. by a profiled step, or estimated).
+/// schedule's cell is half of one), or bytes. In bytes, give what one micro-batch keeps on each
+/// worker's whole share: one number (kept from its forward to its last backward part), or its
+/// `CellBytes` (`cell_bytes`: kept before and after an I, and a backward's working memory;
+/// measured on one stage alone, e.g. with benchmarks/common/cell_bytes.hpp), which `peak_bytes`
+/// turns into each worker's peak. A schedule with v stages per worker gets 1/v of them per stage.
 ///   stagewise::schedule::ActivationLimit::micro_batches(3)
 ///   stagewise::schedule::ActivationLimit::bytes(6LL << 30, {512LL << 20})  // 6 GiB, 512 MiB
 struct ActivationLimit {
@@ -42,21 +45,30 @@ struct ActivationLimit {
     l.limit_micro_batches = n;
     return l;
   }
-  /// At most `limit` bytes of activations on every worker, where one micro-batch takes
-  /// `per_micro_batch[w]` bytes on worker w (one entry: the same on every worker).
-  static ActivationLimit bytes(std::int64_t limit, std::vector<std::int64_t> per_micro_batch) {
-    TORCH_CHECK(limit > 0, "stagewise::schedule::ActivationLimit::bytes: the limit is ", limit,
-                " bytes; give a positive number");
-    TORCH_CHECK(!per_micro_batch.empty(),
-                "stagewise::schedule::ActivationLimit::bytes: give the bytes of one micro-batch's "
-                "activations on each worker (or one number for all)");
+  /// At most `limit` bytes of activations on every worker, where one micro-batch keeps
+  /// `per_micro_batch[w]` bytes on worker w's share (one entry: the same on every worker) from
+  /// its forward to its last backward part.
+  static ActivationLimit bytes(std::int64_t limit, const std::vector<std::int64_t>& per_micro_batch) {
+    std::vector<CellBytes> cells;
     for (auto b : per_micro_batch) {
       TORCH_CHECK(b > 0, "stagewise::schedule::ActivationLimit::bytes: one micro-batch takes ", b,
                   " bytes on a worker; give positive sizes (profile a step to measure them)");
+      cells.push_back({static_cast<double>(b), static_cast<double>(b), 0.0, 0.0});
     }
+    return cell_bytes(limit, std::move(cells));
+  }
+  /// At most `limit` bytes on every worker, with what one micro-batch keeps and works with on
+  /// worker w's whole share: `per_worker[w]` (one entry: the same on every worker).
+  ///   ActivationLimit::cell_bytes(6LL << 30, {CellBytes{512e6, 1e9, 64e6, 64e6}})
+  static ActivationLimit cell_bytes(std::int64_t limit, std::vector<CellBytes> per_worker) {
+    TORCH_CHECK(limit > 0, "stagewise::schedule::ActivationLimit::bytes: the limit is ", limit,
+                " bytes; give a positive number");
+    TORCH_CHECK(!per_worker.empty(),
+                "stagewise::schedule::ActivationLimit::bytes: give the bytes of one micro-batch's "
+                "activations on each worker (or one number for all)");
     ActivationLimit l;
     l.limit_bytes = limit;
-    l.per_micro_batch = std::move(per_micro_batch);
+    l.per_worker = std::move(per_worker);
     return l;
   }
   /// No limit: `choose` then returns the fastest schedule.
@@ -64,12 +76,12 @@ struct ActivationLimit {
 
   double limit_micro_batches = std::numeric_limits<double>::infinity();
   std::int64_t limit_bytes = 0;  ///< 0: the limit is in micro-batches
-  std::vector<std::int64_t> per_micro_batch;
+  std::vector<CellBytes> per_worker;
 
-  /// Bytes of `n` micro-batches on worker `w` (bytes limits only).
-  double bytes_on(int w, double n) const {
-    const auto i = std::min(static_cast<std::size_t>(w), per_micro_batch.size() - 1);
-    return n * static_cast<double>(per_micro_batch[i]);
+  /// What a stage keeps on worker `w` when each worker runs `v` stages.
+  CellBytes stage_on(int w, int v) const {
+    const auto& c = per_worker[std::min(static_cast<std::size_t>(w), per_worker.size() - 1)];
+    return {c.forward / v, c.input_grad / v, c.working / v, c.weight_working / v};
   }
 };
 
@@ -102,7 +114,8 @@ struct ScheduleEstimate {
   double bubble = 0;        ///< idle share of all workers' time
   /// Per worker, the most activations held at once, in micro-batches of the worker's share.
   std::vector<double> peak_micro_batches;
-  std::vector<double> peak_bytes;  ///< the same in bytes (bytes limits only; else empty)
+  /// Per worker, the most bytes held at once (`peak_bytes`; bytes limits only, else empty).
+  std::vector<double> peak_bytes;
   bool fits = false;
   std::string why_not;  ///< why it was rejected ("" if it fits)
 };
@@ -175,27 +188,29 @@ inline ScheduleEstimate estimate(const ScheduleCandidate& c, int workers, int mi
   e.bubble = sim.bubble();
   for (int peak : sim.worker_peak_in_flight) e.peak_micro_batches.push_back(peak / v);
   e.fits = true;
+  if (limit.limit_bytes > 0) {
+    const auto p = plan(c.schedule, e.stages, micro_batches);
+    std::vector<CellBytes> per_stage;
+    for (int s = 0; s < e.stages; ++s) {
+      per_stage.push_back(limit.stage_on(p.worker_of(s), c.stages_per_worker));
+    }
+    e.peak_bytes = peak_bytes(p, per_stage);
+  }
   for (int w = 0; w < workers && e.fits; ++w) {
     const double held = e.peak_micro_batches[static_cast<std::size_t>(w)];
     const std::string at = "; worker " + std::to_string(w) + " holds " + number(held) +
                            " micro-batches";
     if (limit.limit_bytes > 0) {
-      const double bytes = limit.bytes_on(w, held);
-      e.peak_bytes.push_back(bytes);
-      if (bytes > static_cast<double>(limit.limit_bytes)) {
+      const double b = e.peak_bytes[static_cast<std::size_t>(w)];
+      if (b > static_cast<double>(limit.limit_bytes)) {
         e.fits = false;
-        e.why_not = "step " + number(e.makespan) + at + ", " + number(bytes) +
+        e.why_not = "step " + number(e.makespan) + at + ", " + number(b) +
                     " bytes, over the limit of " + std::to_string(limit.limit_bytes);
       }
     } else if (held > limit.limit_micro_batches + 1e-9) {
       e.fits = false;
       e.why_not = "step " + number(e.makespan) + at + ", over the limit of " +
                   number(limit.limit_micro_batches);
-    }
-  }
-  if (limit.limit_bytes > 0) {
-    for (int w = static_cast<int>(e.peak_bytes.size()); w < workers; ++w) {
-      e.peak_bytes.push_back(limit.bytes_on(w, e.peak_micro_batches[static_cast<std::size_t>(w)]));
     }
   }
   if (sim_out) *sim_out = std::move(sim);
