@@ -21,6 +21,7 @@
 
 namespace sw = stagewise;
 namespace fs = std::filesystem;
+using sw::testing::contains;
 using sw::testing::error_of;
 
 namespace {
@@ -200,5 +201,28 @@ TEST_SUITE("save and resume") {
     fs::copy(dir / "with_optimizer", dir / "cut");
     fs::remove(dir / "cut" / "rank0.pt");
     CHECK(error_of([&] { same.load(dir / "cut"); }).find("has no") != std::string::npos);
+  }
+
+  TEST_CASE("a save file cut short is named, with the save and the fix, and nothing is loaded") {
+    const Data d = data(1);
+    Trainer t(1, false);
+    t.step(d, 0);
+    const auto dir = scratch("cut_files");
+    t.save(dir / "whole", 0);
+    Trainer other(5, false);
+    const auto before = state_of(*other.pipe);
+    for (const char* name : {"stage1.pt", "rank0.pt"}) {
+      CAPTURE(name);
+      const auto save = dir / (std::string("cut_") + name);
+      fs::copy(dir / "whole", save);
+      fs::resize_file(save / name, fs::file_size(save / name) / 2);
+      const auto e = error_of([&] { other.load(save); });
+      const std::string start = "stagewise::Pipe::load: could not read " + (save / name).string() +
+                                " of the save in " + save.string() + ": ";
+      CHECK(e.rfind(start, 0) == 0);
+      CHECK(contains(e, ". The file is damaged or cut short (a job killed while writing it, a "
+                        "full disk); resume from the previous save"));
+      check_bit_identical(before, state_of(*other.pipe));
+    }
   }
 }

@@ -104,41 +104,59 @@ struct PipeSaves {
     std::vector<std::unique_ptr<SavedModuleState>> modules(stages.size());
     std::int64_t step = 0;
     std::string failure;
+    // Reads from the save file `path` with `read`: an error of LibTorch's reader (a file cut
+    // short or damaged) names the file, the save and the fix; stagewise's own checks name the
+    // file already.
+    const auto reading = [&](const std::string& path, const auto& read) {
+      try {
+        read();
+      } catch (const std::exception& e) {
+        const std::string text = message_of(e);
+        if (text.rfind(where, 0) == 0) throw;
+        TORCH_CHECK(false, where, "could not read ", path, " of the save in ", dir, ": ", text,
+                    ". The file is damaged or cut short (a job killed while writing it, a full "
+                    "disk); resume from the previous save");
+      }
+    };
     try {
       TORCH_CHECK(std::filesystem::exists(file), where, dir, " has no ", file, " (rank ", rank,
                   "'s part of a save): it is not a save, or the job "
                   "stopped while saving; resume from an earlier save");
-      rank_archive.load_from(file);
       c10::IValue v;
-      rank_archive.read("format", v);
-      TORCH_CHECK(v.toInt() == kSaveFormat, where, file, " has save format ", v.toInt(),
-                  ", this stagewise reads format ", kSaveFormat);
-      rank_archive.read("step", v);
-      step = v.toInt();
-      torch::serialize::InputArchive plan;
-      rank_archive.read("plan", plan);
-      const auto difference = SavedPlan::read(plan).difference(plan_here);
-      TORCH_CHECK(difference.empty(), where, "cannot load the save in ", dir, ": ", difference);
-      rank_archive.read("has_optimizer", v);
-      TORCH_CHECK(!optimizer || v.toBool(), where, "the save in ", dir,
-                  " has no optimizer state (it was saved without an optimizer); load it with "
-                  "load(dir), or resume from a save made with save(dir, optimizer, step)");
-      if (optimizer) rank_archive.read("optimizer", optimizer_archive);
-      rank_archive.read("rng", rng_archive);
+      reading(file, [&] {
+        rank_archive.load_from(file);
+        rank_archive.read("format", v);
+        TORCH_CHECK(v.toInt() == kSaveFormat, where, file, " has save format ", v.toInt(),
+                    ", this stagewise reads format ", kSaveFormat);
+        rank_archive.read("step", v);
+        step = v.toInt();
+        torch::serialize::InputArchive plan;
+        rank_archive.read("plan", plan);
+        const auto difference = SavedPlan::read(plan).difference(plan_here);
+        TORCH_CHECK(difference.empty(), where, "cannot load the save in ", dir, ": ", difference);
+        rank_archive.read("has_optimizer", v);
+        TORCH_CHECK(!optimizer || v.toBool(), where, "the save in ", dir,
+                    " has no optimizer state (it was saved without an optimizer); load it with "
+                    "load(dir), or resume from a save made with save(dir, optimizer, step)");
+        if (optimizer) rank_archive.read("optimizer", optimizer_archive);
+        rank_archive.read("rng", rng_archive);
+      });
       for (std::size_t j = 0; j < stages.size(); ++j) {
         if (!stages[j] || !stages[j]->spec.module) continue;
         const auto path = stage_file(dir, static_cast<int>(j));
         TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
                     ": the save is incomplete; resume from another one");
-        torch::serialize::InputArchive a;
-        a.load_from(path, stages[j]->device);
-        a.read("signature", v);
-        TORCH_CHECK(v.toStringRef() == signatures[j], where, path, " holds stage {",
-                    v.toStringRef(), "} but this pipe's stage ", j, " is {", signatures[j],
-                    "}; the files of different saves are mixed in ", dir);
-        torch::serialize::InputArchive m;
-        a.read("module", m);
-        modules[j] = std::make_unique<SavedModuleState>(*stages[j]->spec.module, m, path);
+        reading(path, [&] {
+          torch::serialize::InputArchive a;
+          a.load_from(path, stages[j]->device);
+          a.read("signature", v);
+          TORCH_CHECK(v.toStringRef() == signatures[j], where, path, " holds stage {",
+                      v.toStringRef(), "} but this pipe's stage ", j, " is {", signatures[j],
+                      "}; the files of different saves are mixed in ", dir);
+          torch::serialize::InputArchive m;
+          a.read("module", m);
+          modules[j] = std::make_unique<SavedModuleState>(*stages[j]->spec.module, m, path);
+        });
       }
     } catch (const std::exception& e) {
       failure = message_of(e);
