@@ -48,7 +48,6 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
       : PipeOver("stagewise::Pipe", std::move(options)), layers_(std::move(layers)) {
     verify_ownership(specs);
-    collect_deferred_batch_norms(specs);
     build_stages(std::move(specs), [](std::size_t) { return true; });
     set_transport(std::make_unique<runtime::MailboxTransport>());
   }
@@ -66,7 +65,7 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
   /// Runs the pipeline on a batch of one tensor or a tuple of tensors.
   Batch forward_batch(const Batch& input) {
     if (stages_.empty()) return input;
-    if (!deferred_.empty()) begin_mini_batch(scatter(input, options_.chunks()).size());
+    if (has_deferred_batch_norms()) begin_mini_batch(scatter(input, options_.chunks()).size());
     return runtime::run_clock_cycles(stages_, input, options_.chunks(), options_.checkpoint(),
                                      is_training(), skips_->empty() ? nullptr : skips_);
   }
@@ -91,35 +90,10 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
   // to(device) is refused by PlacedStages: the pipe places each stage on its device.
 
  private:
-  // Each DeferredBatchNorm commits its running statistics after this mini-batch's last
-  // micro-batch (train_step's).
-  void begin_micro_batches(int micro_batches) override { begin_mini_batch(micro_batches); }
-
   const runtime::StageRuntime& stage_at(std::size_t k) const {
     TORCH_CHECK_INDEX(k < stages_.size(), "stagewise::Pipe: stage index ", k,
                       " is out of range for a pipe of ", stages_.size(), " stages");
     return *stages_[k];
-  }
-
-  // Finds the DeferredBatchNorm layers of every stage; with deferred_batch_norm(true), a plain
-  // batch norm left in a stage (a typed stage, or one hidden in a custom module) is an error.
-  void collect_deferred_batch_norms(const std::vector<detail::StageSpec>& specs) {
-    for (std::size_t k = 0; k < specs.size(); ++k) {
-      const auto& module = specs[k].module;
-      if (!module) continue;
-      if (options_.deferred_batch_norm()) {
-        detail::refuse_hidden_batch_norm(*module, "stage" + std::to_string(k));
-      }
-      for (const auto& m : module->modules()) {
-        if (auto bn = std::dynamic_pointer_cast<DeferredBatchNormImpl>(m)) deferred_.push_back(bn);
-      }
-    }
-  }
-
-  // Each DeferredBatchNorm commits its running statistics after this mini-batch's last
-  // micro-batch, however many the batch splits into.
-  void begin_mini_batch(std::size_t micro_batches) {
-    for (const auto& bn : deferred_) bn->begin_mini_batch(static_cast<int64_t>(micro_batches));
   }
 
   static void verify_ownership(const std::vector<detail::StageSpec>& specs) {
@@ -140,7 +114,6 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
   }
 
   std::vector<std::shared_ptr<torch::nn::Module>> layers_;
-  std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
 };
 
 /// A pipeline over a compile-time stage list (`Pipe<S...>`), or over a torch::nn::Sequential

@@ -10,6 +10,8 @@
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
 #include "stagewise/core/error_context.hpp"
+#include "stagewise/nn/convert_deferred_batch_norm.hpp"
+#include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/pipe_saves.hpp"
@@ -190,7 +192,10 @@ class PipeOver : public PlacedStages {
         stages_.push_back(nullptr);  // another process's: its parameters are dropped here
         continue;
       }
-      if (specs[j].module) register_module("stage" + std::to_string(j), specs[j].module);
+      if (specs[j].module) {
+        collect_deferred_batch_norms(*specs[j].module, j);
+        register_module("stage" + std::to_string(j), specs[j].module);
+      }
       stages_.push_back(std::make_unique<runtime::StageRuntime>(std::move(specs[j]), devices[j]));
     }
   }
@@ -219,8 +224,13 @@ class PipeOver : public PlacedStages {
     return {mine};
   }
 
-  /// Called with the step's number of micro-batches just before its workers start.
-  virtual void begin_micro_batches(int /*micro_batches*/) {}
+  /// Each DeferredBatchNorm of this process's stages commits its running statistics after the
+  /// mini-batch's last micro-batch, however many the batch splits into (every step, and the
+  /// one-process pipe's forward).
+  void begin_mini_batch(std::size_t micro_batches) {
+    for (const auto& bn : deferred_) bn->begin_mini_batch(static_cast<int64_t>(micro_batches));
+  }
+  bool has_deferred_batch_norms() const { return !deferred_.empty(); }
 
   /// Data parallelism: whether this pipe averages its stages' gradients with other replicas of
   /// it. Then `gradients_ready(j)` is called on stage j's worker once the stage's gradients of
@@ -248,6 +258,16 @@ class PipeOver : public PlacedStages {
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
  private:
+  // Finds the DeferredBatchNorm layers of stage `j`; with deferred_batch_norm(true), a plain batch
+  // norm left in it (a typed stage, or one hidden in a custom module) is an error.
+  void collect_deferred_batch_norms(const torch::nn::Module& module, std::size_t j) {
+    if (options_.deferred_batch_norm()) refuse_hidden_batch_norm(module, "stage" + std::to_string(j));
+    for (const auto& m : module.modules()) {
+      if (auto bn = std::dynamic_pointer_cast<DeferredBatchNormImpl>(m)) deferred_.push_back(bn);
+    }
+  }
+
+  std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
   SavedPlan plan_here() const {
     SavedPlan p;
     p.processes = process_count();
@@ -351,7 +371,7 @@ class PipeOver : public PlacedStages {
     if (first) stages_.front()->receive_from_caller(step.inputs);
     if (last) stages_.back()->receive_from_caller(step.targets);
     if (before) before(m);
-    begin_micro_batches(m);
+    begin_mini_batch(static_cast<std::size_t>(m));
     transport_->begin_step(plan, skips_->stage_routes());
     // Worker w runs on the thread of its first stage here; null: another process's.
     std::vector<Worker*> workers(static_cast<std::size_t>(plan.workers), nullptr);

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/pipe/detail/pipe_over.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
@@ -148,7 +149,15 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
         job_(std::move(connection)),
         connection_(job_),
         dist_(std::move(dist)) {
-    auto specs = ::stagewise::detail::partition(seq, b);
+    TORCH_CHECK(!options_.deferred_batch_norm() || dist_.data_parallel() == 1,
+                "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) with "
+                "Options().data_parallel(", dist_.data_parallel(),
+                "): each replica would keep running statistics of its own rows only, and the "
+                "replicas' would drift apart; turn one of them off (plain batch norm, or one "
+                "replica)");
+    auto specs = ::stagewise::detail::partition(
+        options_.deferred_batch_norm() ? convert_deferred_batch_norm(seq, options_.chunks()) : seq,
+        b);
     const int n = static_cast<int>(specs.size());
     if (dist_.placement()) {
       placement_ = dist_.placement()(n);

@@ -1,0 +1,133 @@
+// PipeOptions in the distributed pipe: deferred batch norm works as in the one-process pipe (each
+// rank's batch norms commit their running statistics once per mini-batch), and is refused with
+// data parallelism, where replicas would keep statistics of their own rows only.
+#include "stagewise/distributed.hpp"
+#include "stagewise/stagewise.hpp"
+
+#include <torch/torch.h>
+
+#include "tests/support/errors.hpp"
+#include "tests/support/multiprocess.hpp"
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <string>
+
+namespace sw = stagewise;
+namespace sched = stagewise::schedule;
+using sw::testing::contains;
+using sw::testing::error_of;
+using sw::testing::run_ranks;
+using namespace std::chrono_literals;
+
+namespace {
+
+torch::nn::Sequential batch_norm_model() {
+  torch::manual_seed(7);
+  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::BatchNorm1d(8),
+                               torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                               torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 3));
+}
+
+torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
+  return torch::mse_loss(y, t);
+}
+
+void expect(bool ok, const std::string& what) { TORCH_CHECK(ok, what); }
+
+}  // namespace
+
+TEST_SUITE("distributed pipe options") {
+  TEST_CASE("deferred batch norm: parameters and running statistics equal the one-process pipe") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          for (auto schedule : {0, 1}) {
+            auto seq = batch_norm_model();
+            auto ref_seq = batch_norm_model();
+            const auto options =
+                sw::PipeOptions().chunks(4).checkpoint("except_last").deferred_batch_norm(true);
+            sw::distributed::Pipe pipe(
+                c, seq, sw::balance{3, 3}, options,
+                sw::distributed::Options().transport(
+                    sw::runtime::C10dOptions().prefix("dbn" + std::to_string(schedule))));
+            auto ref = sw::Pipe(ref_seq, sw::balance{3, 3}, options);
+            torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(0.1));
+            torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+            for (int step = 0; step < 3; ++step) {
+              torch::manual_seed(100 + step);
+              const auto x = torch::randn({12, 6});
+              const auto y = torch::randn({12, 3});
+              const auto in = pipe->has_stage(0) ? x : torch::Tensor();
+              const auto target = pipe->has_stage(1) ? y : torch::Tensor();
+              if (schedule == 0) {
+                pipe->train_step(in, target, mse, sched::one_f_one_b{});
+                ref->train_step(x, y, mse, sched::one_f_one_b{});
+              } else {
+                pipe->train_step(in, target, mse, sched::zero_bubble_h1{});
+                ref->train_step(x, y, mse, sched::zero_bubble_h1{});
+              }
+              opt.step();
+              opt.zero_grad();
+              ref_opt.step();
+              ref_opt.zero_grad();
+            }
+            // Every parameter and buffer of this rank's stage (running mean, variance and count
+            // included) equals the one-process pipe's, bit for bit.
+            const auto mine = pipe->named_parameters();
+            const auto theirs = ref->named_parameters();
+            for (const auto& p : mine) {
+              expect(theirs.contains(p.key()), "no " + p.key() + " in the one-process pipe");
+              expect(p.value().equal(theirs[p.key()]), p.key() + " differs");
+            }
+            const auto buffers = pipe->named_buffers();
+            const auto ref_buffers = ref->named_buffers();
+            int running = 0;
+            for (const auto& b : buffers) {
+              expect(b.value().equal(ref_buffers[b.key()]), b.key() + " differs");
+              running += b.key().find("running_mean") != std::string::npos;
+            }
+            expect(running == 1, "expected one running mean per rank, got " +
+                                     std::to_string(running));
+            // Committed once per mini-batch: 3 steps, not 12 micro-batches.
+            for (const auto& b : buffers) {
+              if (b.key().find("num_batches_tracked") != std::string::npos) {
+                expect(b.value().item<int64_t>() == 3,
+                       b.key() + " is " + std::to_string(b.value().item<int64_t>()));
+              }
+            }
+          }
+        },
+        120s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
+
+  TEST_CASE("deferred batch norm with data parallelism is refused at construction, naming both") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          const auto e = error_of([&] {
+            sw::distributed::Pipe pipe(c, batch_norm_model(), sw::balance{6},
+                                       sw::PipeOptions().chunks(2).deferred_batch_norm(true),
+                                       sw::distributed::Options().data_parallel(2));
+          });
+          expect(contains(e, "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) "
+                             "with Options().data_parallel(2): each replica would keep running "
+                             "statistics of its own rows only"),
+                 e);
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
+}
