@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace sw = stagewise;
 namespace sched = stagewise::schedule;
@@ -122,6 +123,38 @@ TEST_SUITE("distributed pipe options") {
                              "with Options().data_parallel(2): each replica would keep running "
                              "statistics of its own rows only"),
                  e);
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
+
+  TEST_CASE("devices: every rank places its stages as the one-process pipe does, and refuses alike") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          const std::vector<torch::Device> cpus{torch::kCPU, torch::kCPU};
+          sw::distributed::Pipe pipe(
+              c, batch_norm_model(), sw::balance{3, 3}, sw::PipeOptions().chunks(2).devices(cpus),
+              sw::distributed::Options().transport(sw::runtime::C10dOptions().prefix("devices")));
+          for (const auto& p : pipe->parameters()) expect(p.device().is_cpu(), "not on the CPU");
+          const std::vector<torch::Device> one{torch::kCPU};
+          const auto distributed = error_of([&] {
+            sw::distributed::Pipe bad(c, batch_norm_model(), sw::balance{3, 3},
+                                      sw::PipeOptions().devices(one),
+                                      sw::distributed::Options().transport(
+                                          sw::runtime::C10dOptions().prefix("devices_bad")));
+          });
+          const auto local = error_of([&] {
+            auto bad = sw::Pipe(batch_norm_model(), sw::balance{3, 3}, sw::PipeOptions().devices(one));
+          });
+          expect(contains(distributed, "2 stages but only 1 devices; give one device per stage"),
+                 distributed);
+          expect(contains(local, "2 stages but only 1 devices; give one device per stage"), local);
         },
         60s);
     for (int k = 0; k < 2; ++k) {
