@@ -6,6 +6,7 @@
 
 #include "tests/support/errors.hpp"
 #include "tests/support/multiprocess.hpp"
+#include "tests/support/wire_peer.hpp"
 
 #include <doctest/doctest.h>
 
@@ -31,9 +32,10 @@ namespace rt = stagewise::runtime;
 using rt::Message;
 using rt::MessageKey;
 using stagewise::schedule::TransferKind;
+using stagewise::testing::connected;
 using stagewise::testing::contains;
 using stagewise::testing::error_of;
-using stagewise::testing::RankOutcome;
+using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using namespace std::chrono_literals;
 
@@ -42,14 +44,6 @@ static_assert(rt::point_to_point_group<c10d::ProcessGroupGloo>);
 static_assert(!rt::point_to_point_group<int>);
 
 namespace {
-
-// Every rank connected and past the Gloo set-up before the test's body goes on.
-rt::Connection connected() {
-  auto c = rt::connect(rt::rendezvous_env(), rt::ConnectOptions{10s});
-  c.store->add("ready", 1);
-  while (c.store->add("ready", 0) < c.env.world_size) std::this_thread::sleep_for(10ms);
-  return c;
-}
 
 void expect(bool ok, const std::string& what) {
   TORCH_CHECK(ok, "rank ", rt::rendezvous_env().rank, ": ", what);
@@ -90,10 +84,6 @@ void check_sample(const Message& got, int micro) {
 
 int rank_of_two(int stage) {
   return stage % 2;
-}
-
-const RankOutcome& of(const std::vector<RankOutcome>& r, int rank) {
-  return r[static_cast<std::size_t>(rank)];
 }
 
 }  // namespace

@@ -42,15 +42,12 @@ using stagewise::testing::honest;
 using stagewise::testing::random_words;
 using stagewise::testing::RankOutcome;
 using stagewise::testing::report;
+using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using stagewise::testing::Sends;
 using namespace std::chrono_literals;
 
 namespace {
-
-const RankOutcome& of(const std::vector<RankOutcome>& r, int rank) {
-  return r[static_cast<std::size_t>(rank)];
-}
 
 // A three-stage pipe, one stage per rank: 16 rows in 4 micro-batches, activations [4, 8].
 torch::nn::Sequential rogue_model() {

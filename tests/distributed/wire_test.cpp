@@ -24,31 +24,20 @@ namespace rt = stagewise::runtime;
 using rt::Message;
 using rt::MessageKey;
 using stagewise::schedule::TransferKind;
+using stagewise::testing::connected;
 using stagewise::testing::contains;
 using stagewise::testing::cut;
 using stagewise::testing::error_of;
 using stagewise::testing::first_transfer;
 using stagewise::testing::honest;
 using stagewise::testing::random_words;
-using stagewise::testing::RankOutcome;
 using stagewise::testing::report;
+using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using stagewise::testing::Sends;
 using namespace std::chrono_literals;
 
 namespace {
-
-const RankOutcome& of(const std::vector<RankOutcome>& r, int rank) {
-  return r[static_cast<std::size_t>(rank)];
-}
-
-// Every rank connected and past the Gloo set-up before the test's body goes on.
-rt::Connection connected() {
-  auto c = rt::connect(rt::rendezvous_env(), rt::ConnectOptions{10s});
-  c.store->add("ready", 1);
-  while (c.store->add("ready", 0) < c.env.world_size) std::this_thread::sleep_for(10ms);
-  return c;
-}
 
 const std::string kSameBuild =
     "; every rank must run the same stagewise build and pipe, and no other program may talk to "

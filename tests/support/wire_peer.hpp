@@ -2,9 +2,11 @@
 
 // Test helper: what a peer that speaks Gloo but not (quite) stagewise sends: the transfers an
 // honest rank would send, cut short or altered, crafted first transfers, random words; sent under
-// the tags of the messages a rank of the pipe waits for.
+// the tags of the messages a rank of the pipe waits for. And `connected()`, a rank's connection
+// once every rank has one.
 
 #include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/message.hpp"
@@ -15,11 +17,25 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <limits>
+#include <thread>
 #include <vector>
 
 namespace stagewise::testing {
+
+// Inside a rank of run_ranks: joins the job, and returns once every rank has connected and is
+// past the Gloo set-up.
+inline runtime::Connection connected() {
+  auto c = runtime::connect(runtime::rendezvous_env(),
+                            runtime::ConnectOptions{std::chrono::seconds(10)});
+  c.store->add("ready", 1);
+  while (c.store->add("ready", 0) < c.env.world_size) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return c;
+}
 
 // The transfers an honest rank sends for `m` over Gloo (`room` 0: every tensor on its own).
 inline std::vector<torch::Tensor> honest(const runtime::Message& m,
