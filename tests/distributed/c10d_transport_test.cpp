@@ -398,14 +398,14 @@ TEST_SUITE("c10d transport") {
     const std::int64_t one = rt::detail::kBlockBytes;  // the first transfer's bytes
     const std::int64_t eib4 = std::int64_t{1} << 62;
     const std::vector<torch::Tensor> crafted{
-        header({12345, 5, 0, 1, one}),                                     // not stagewise's
-        header({mark, 1 << 30, 1, 1, one}),                                // no header that long
-        header({mark, 9, 1, 1, one, 1, 99, 1, 4}),                         // an unknown dtype
+        header({12345, 5, 0, 1, one}),                                        // not stagewise's
+        header({mark, 1 << 30, 1, 1, one}),                                   // no header that long
+        header({mark, 9, 1, 1, one, 1, 99, 1, 4}),                            // an unknown dtype
         header({mark, 12, 1, 1, one, 1, f32, 2, 1 << 30, 1 << 30, eib4, 0}),  // 4 EiB of floats
-        header({mark, 9, 1, 1, one, 1, f32, 1, -5}),                       // a negative size
-        header({mark, 11, 2, 1, one, 1, f32, 1, 4, 16, 0}),                // cut off
-        header({mark, 9, 1, 3, one, 1, f32, 1, 16385}),                    // more inline than fits
-        header({mark, 9, 1, 3, one, 1, f32, 1, 4}),                        // inline, but 512 B
+        header({mark, 9, 1, 1, one, 1, f32, 1, -5}),                          // a negative size
+        header({mark, 11, 2, 1, one, 1, f32, 1, 4, 16, 0}),                   // cut off
+        header({mark, 9, 1, 3, one, 1, f32, 1, 16385}),  // more inline than fits
+        header({mark, 9, 1, 3, one, 1, f32, 1, 4}),      // inline, but 512 B
     };
     const auto n = static_cast<int>(crafted.size());
     auto r = run_ranks(
@@ -475,7 +475,7 @@ TEST_SUITE("c10d transport") {
           torch::rand({(room - 8) / 8}, torch::kFloat64), torch::tensor(true)},
          false},  // odd sizes, undefined and empty: 65532 B
         {{torch::randint(256, {room - 1}, torch::kUInt8), torch::ones(1, torch::kInt8)}, false},
-        {{}, true},  // no tensors at all
+        {{}, false},  // no tensors at all (a tuple of none: a batch of one tensor has one)
     };
     const auto n = static_cast<int>(messages.size());
     auto r = run_ranks(
@@ -519,21 +519,15 @@ TEST_SUITE("c10d transport") {
           if (rank == 0) {
             // Written out, not made by the library: 8 bytes inline make a 1024-byte transfer.
             const std::int64_t f32 = static_cast<std::int64_t>(c10::ScalarType::Float);
-            const std::vector<std::int64_t> words{(std::int64_t{0x537748} << 16) | 2,  // v2
-                                                  10,    // words
-                                                  1,     // tensors
-                                                  1 | 2,  // tuple, inline
-                                                  1024,  // the first transfer's bytes
-                                                  1,     // tensor 0: defined,
-                                                  f32,
-                                                  2,
-                                                  1,
-                                                  2};  // Float [1, 2]
+            // Version 2's mark, 10 words, 1 tensor, tuple and inline flags, 1024 bytes in the
+            // first transfer; tensor 0 defined, Float, 2 dimensions: [1, 2].
+            const std::vector<std::int64_t> words{
+                (std::int64_t{0x537748} << 16) | 2, 10, 1, 1 | 2, 1024, 1, f32, 2, 1, 2};
             auto wire = torch::zeros({128}, torch::kInt64);
             auto* w = wire.data_ptr<std::int64_t>();
             std::copy(words.begin(), words.end(), w);
             const float values[2] = {1.5F, -2.0F};
-            std::memcpy(w + 63, values, sizeof values);  // the payload, from byte 504
+            std::memcpy(w + 63, values, sizeof values);    // the payload, from byte 504
             w[127] = (std::int64_t{0x5377} << 48) | 1024;  // the end mark
             std::vector<at::Tensor> one{wire};
             c.group.send(one, 1, rt::detail::message_tag(k, 0))->wait();

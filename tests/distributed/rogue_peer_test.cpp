@@ -39,10 +39,10 @@ using stagewise::testing::cut;
 using stagewise::testing::error_of;
 using stagewise::testing::first_transfer;
 using stagewise::testing::honest;
+using stagewise::testing::of;
 using stagewise::testing::random_words;
 using stagewise::testing::RankOutcome;
 using stagewise::testing::report;
-using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using stagewise::testing::Sends;
 using namespace std::chrono_literals;
@@ -52,9 +52,8 @@ namespace {
 // A three-stage pipe, one stage per rank: 16 rows in 4 micro-batches, activations [4, 8].
 torch::nn::Sequential rogue_model() {
   torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(),
-                               torch::nn::Linear(8, 8), torch::nn::Tanh(),
-                               torch::nn::Linear(8, 3));
+  return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                               torch::nn::Tanh(), torch::nn::Linear(8, 3));
 }
 
 enum class Bad { short_inline, short_separate, longer, wrong_gradient, random, other_version };
@@ -131,11 +130,12 @@ std::vector<RankOutcome> rogue_job(Bad bad) {
         {
           sw::distributed::Pipe pipe(c, seq, sw::balance{2, 2, 1}, options, dist);
           report(error_of([&] {
-            pipe->train_step(x, y,
-                             [](const torch::Tensor& out, const torch::Tensor& t) {
-                               return torch::nn::functional::mse_loss(out, t);
-                             },
-                             sw::schedule::one_f_one_b{});
+            pipe->train_step(
+                x, y,
+                [](const torch::Tensor& out, const torch::Tensor& t) {
+                  return torch::nn::functional::mse_loss(out, t);
+                },
+                sw::schedule::one_f_one_b{});
           }));
         }
         const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -143,7 +143,8 @@ std::vector<RankOutcome> rogue_job(Bad bad) {
                             .count();
         rusage usage{};
         ::getrusage(RUSAGE_SELF, &usage);
-        report("\nms " + std::to_string(ms) + "\nrss_mib " + std::to_string(usage.ru_maxrss / 1024));
+        report("\nms " + std::to_string(ms) + "\nrss_mib " +
+               std::to_string(usage.ru_maxrss / 1024));
         c.store->add("honest done", 1);
         if (rank == 0) c.store->wait({"rogue done"});  // it serves the store
       },
@@ -202,10 +203,9 @@ TEST_SUITE("a rogue rank") {
       }
       // The rank that got the message fails with its own error; the other learns it from it.
       CHECK(error_line(of(r, victim)).starts_with(text));
-      CHECK(contains(error_line(of(r, other)), "stagewise: rank " + std::to_string(victim) +
-                                                   " failed: " + text));
       CHECK(contains(error_line(of(r, other)),
-                     "Rank " + std::to_string(other) + " stops too."));
+                     "stagewise: rank " + std::to_string(victim) + " failed: " + text));
+      CHECK(contains(error_line(of(r, other)), "Rank " + std::to_string(other) + " stops too."));
     }
   }
 }

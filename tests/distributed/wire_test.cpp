@@ -30,9 +30,9 @@ using stagewise::testing::cut;
 using stagewise::testing::error_of;
 using stagewise::testing::first_transfer;
 using stagewise::testing::honest;
+using stagewise::testing::of;
 using stagewise::testing::random_words;
 using stagewise::testing::report;
-using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using stagewise::testing::Sends;
 using namespace std::chrono_literals;
@@ -118,14 +118,16 @@ TEST_SUITE("wire format") {
             auto marked = random_words();
             marked[0] = rt::detail::header_mark();
             send(marked, 1, key(7));
+            // 8: an activation flagged as one tensor, with none.
+            send(honest({{}, true})[0], 1, key(8));
             c.store->wait({"victim_done"});
             return;
           }
-          rt::C10dTransport t(c, [](int s) { return s % 2; }, {},
-                              rt::C10dOptions().timeout(10s));
-          t.begin_step(2, 8, 0);
+          rt::C10dTransport t(
+              c, [](int s) { return s % 2; }, {}, rt::C10dOptions().timeout(10s));
+          t.begin_step(2, 9, 0);
           std::string out;
-          for (int m = 0; m < 8; ++m) out += error_of([&] { t.recv(key(m)); }) + "\n";
+          for (int m = 0; m < 9; ++m) out += error_of([&] { t.recv(key(m)); }) + "\n";
           c.store->set("victim_done", std::vector<std::uint8_t>{1});
           report(out);
         },
@@ -148,7 +150,7 @@ TEST_SUITE("wire format") {
       }
       return out;
     }();
-    REQUIRE(lines.size() == 8);
+    REQUIRE(lines.size() == 9);
     CHECK(lines[0] == "stagewise: a message from " + from(0) +
                           " is cut short: its header announces a first transfer of 1024 bytes, "
                           "but fewer arrived (its end mark is missing)" +
@@ -179,6 +181,10 @@ TEST_SUITE("wire format") {
                           "job's port");
     CHECK(contains(lines[7], "stagewise: a message header from " + from(7) +
                                  " is corrupt: it announces a first transfer of "));
+    CHECK(lines[8] ==
+          "stagewise: rank 0 sent the activation of micro-batch 8 for stage 1 with 0 tensors, "
+          "flagged as one: a skip, or a batch of one tensor, has exactly one. Refused on arrival; "
+          "rank 0 runs another model or stagewise build (every rank must run the same)");
   }
 
   // Rank 0 sends activations of Float [2, 3] for micro-batches 0 to 4; rank 1 answers with
@@ -202,8 +208,8 @@ TEST_SUITE("wire format") {
             c.store->wait({"victim_done"});
             return;
           }
-          rt::C10dTransport t(c, [](int s) { return s % 2; }, {},
-                              rt::C10dOptions().timeout(10s));
+          rt::C10dTransport t(
+              c, [](int s) { return s % 2; }, {}, rt::C10dOptions().timeout(10s));
           t.begin_step(2, 6, 0);
           for (int m = 0; m < 5; ++m) {
             t.send({TransferKind::activation, 1, m}, {{torch::ones({2, 3})}, true});

@@ -68,8 +68,8 @@ std::int64_t check_first(const torch::Tensor& cpu, const From& from) {
               " is cut short: its header announces a first transfer of ", length,
               " bytes, but fewer arrived (its end mark is missing)", kSameBuild);
   TORCH_CHECK(w[1] >= kFixedWords && w[1] <= kMaxHeaderWords, "stagewise: a message header from ",
-              from(), " is corrupt: it claims ", w[1], " words (a header has ", kFixedWords,
-              " to ", kMaxHeaderWords, "); every rank must run the same stagewise version and pipe");
+              from(), " is corrupt: it claims ", w[1], " words (a header has ", kFixedWords, " to ",
+              kMaxHeaderWords, "); every rank must run the same stagewise version and pipe");
   return w[1];
 }
 
@@ -148,9 +148,9 @@ void check_tails(const Message& m, const Layout& l, const From& from) {
   if (!m.tensors[which.front()].is_cpu()) {
     std::int64_t total = 0;
     for (const auto k : which) total += tail_length(l.tensors[k]);
-    auto on_device = torch::empty({total}, torch::TensorOptions()
-                                               .dtype(torch::kUInt8)
-                                               .device(m.tensors[which.front()].device()));
+    auto on_device = torch::empty(
+        {total},
+        torch::TensorOptions().dtype(torch::kUInt8).device(m.tensors[which.front()].device()));
     std::int64_t at = 0;
     for (const auto k : which) {
       const auto n = tail_length(l.tensors[k]);
@@ -164,10 +164,9 @@ void check_tails(const Message& m, const Layout& l, const From& from) {
   for (const auto k : which) {
     const auto& t = l.tensors[k];
     const auto n = tail_length(t);
-    const auto* got =
-        gathered.defined()
-            ? gathered.data_ptr<std::uint8_t>() + at
-            : static_cast<const std::uint8_t*>(m.tensors[k].data_ptr()) + t.bytes - n;
+    const auto* got = gathered.defined()
+                          ? gathered.data_ptr<std::uint8_t>() + at
+                          : static_cast<const std::uint8_t*>(m.tensors[k].data_ptr()) + t.bytes - n;
     at += n;
     TORCH_CHECK(std::memcmp(got, &t.tail, static_cast<std::size_t>(n)) == 0,
                 "stagewise: a message from ", from(), " is cut short: tensor ", k, " (",
@@ -176,6 +175,19 @@ void check_tails(const Message& m, const Layout& l, const From& from) {
                 "announced)",
                 kSameBuild);
   }
+}
+
+// Refused on arrival, whatever the model: a skip or a skip's gradient, and an activation or a
+// gradient flagged as one tensor (atomic), that does not carry exactly one tensor (the executor
+// takes the first). A shared value (stage -1) passes.
+inline void check_form(const MessageKey& k, const Layout& l, const std::string& rank) {
+  using schedule::TransferKind;
+  if (k.stage < 0) return;
+  const bool skip = k.kind == TransferKind::skip || k.kind == TransferKind::skip_grad;
+  TORCH_CHECK(l.tensors.size() == 1 || !(skip || l.atomic), "stagewise: rank ", rank, " sent ",
+              describe(k), " with ", l.tensors.size(), " tensors", skip ? "" : ", flagged as one",
+              ": a skip, or a batch of one tensor, has exactly one. Refused on arrival; rank ",
+              rank, " runs another model or stagewise build (every rank must run the same)");
 }
 
 // What this rank expects back for the messages it sent to other ranks: the gradient of an

@@ -46,7 +46,7 @@ namespace stagewise::runtime::detail {
 // format, compared at start-up (runtime::check_same_wire). Each receive posted ahead holds it
 // until its message arrives: about 4 MiB for 32 micro-batches of activations and gradients.
 inline constexpr std::int64_t kWireVersion = 2;
-inline constexpr std::int64_t kWireMark = 0x537748;  // "SwH": word 0 is kWireMark << 16 | version
+inline constexpr std::int64_t kWireMark = 0x537748;    // "SwH": word 0 is kWireMark << 16 | version
 inline constexpr std::int64_t kVersion1Bits = 0x6472;  // version 1's word 0 was "SwHdr"
 inline constexpr std::int64_t kHeaderWords = 64;       // the first transfer's header block
 inline constexpr std::int64_t kFirstWords = kHeaderWords - 1;  // header words it carries
@@ -161,8 +161,8 @@ inline std::vector<torch::Tensor> transfers_of(const Message& m, const torch::De
         payload += c.nbytes();
       }
       // Zeros, not whatever the allocator left, up to the end mark.
-      std::memset(payload, 0, static_cast<std::size_t>(reinterpret_cast<char*>(w + total / 8 - 1) -
-                                                       payload));
+      std::memset(payload, 0,
+                  static_cast<std::size_t>(reinterpret_cast<char*>(w + total / 8 - 1) - payload));
       w[total / 8 - 1] = end_mark(total);
       return {first};
     }
@@ -349,7 +349,8 @@ inline Message allocate(const Layout& l, const torch::Device& device) {
       m.tensors.emplace_back();
       continue;
     }
-    m.tensors.push_back(torch::empty(t.sizes, torch::TensorOptions().dtype(t.dtype).device(device)));
+    m.tensors.push_back(
+        torch::empty(t.sizes, torch::TensorOptions().dtype(t.dtype).device(device)));
   }
   return m;
 }

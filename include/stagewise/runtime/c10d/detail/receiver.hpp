@@ -84,6 +84,7 @@ class C10dReceiver : protected C10dFailures {
     }
     const auto layout =
         detail::parse_header(words, options_.max_message_bytes(), inline_room(), from);
+    detail::check_form(k, layout, name_of(src));
     replies_.check(k, layout, name_of(src));
     Message m = detail::allocate(layout, options_.device());
     std::int64_t bytes = 0;
