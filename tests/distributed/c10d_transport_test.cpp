@@ -6,6 +6,7 @@
 
 #include "tests/support/errors.hpp"
 #include "tests/support/multiprocess.hpp"
+#include "tests/support/wire_peer.hpp"
 
 #include <doctest/doctest.h>
 
@@ -31,9 +32,10 @@ namespace rt = stagewise::runtime;
 using rt::Message;
 using rt::MessageKey;
 using stagewise::schedule::TransferKind;
+using stagewise::testing::connected;
 using stagewise::testing::contains;
 using stagewise::testing::error_of;
-using stagewise::testing::RankOutcome;
+using stagewise::testing::of;
 using stagewise::testing::run_ranks;
 using namespace std::chrono_literals;
 
@@ -42,14 +44,6 @@ static_assert(rt::point_to_point_group<c10d::ProcessGroupGloo>);
 static_assert(!rt::point_to_point_group<int>);
 
 namespace {
-
-// Every rank connected and past the Gloo set-up before the test's body goes on.
-rt::Connection connected() {
-  auto c = rt::connect(rt::rendezvous_env(), rt::ConnectOptions{10s});
-  c.store->add("ready", 1);
-  while (c.store->add("ready", 0) < c.env.world_size) std::this_thread::sleep_for(10ms);
-  return c;
-}
 
 void expect(bool ok, const std::string& what) {
   TORCH_CHECK(ok, "rank ", rt::rendezvous_env().rank, ": ", what);
@@ -90,10 +84,6 @@ void check_sample(const Message& got, int micro) {
 
 int rank_of_two(int stage) {
   return stage % 2;
-}
-
-const RankOutcome& of(const std::vector<RankOutcome>& r, int rank) {
-  return r[static_cast<std::size_t>(rank)];
 }
 
 }  // namespace
@@ -396,21 +386,26 @@ TEST_SUITE("c10d transport") {
   // tag of the activation rank 1 waits for. Every bad word is refused before anything is
   // allocated, with an error naming the sender, never a crash, a huge allocation or a hang.
   TEST_CASE("a corrupt or foreign message header is refused, naming the peer") {
+    // A first transfer of kBlockBytes: the words, zeros, the end mark.
     auto header = [](std::vector<std::int64_t> words) {
       auto t = torch::zeros({rt::detail::kHeaderWords}, torch::kInt64);
       for (std::size_t k = 0; k < words.size(); ++k) t[static_cast<std::int64_t>(k)] = words[k];
+      t[rt::detail::kHeaderWords - 1] = rt::detail::end_mark(rt::detail::kBlockBytes);
       return t;
     };
-    const std::int64_t magic = rt::detail::kHeaderMagic;
+    const std::int64_t mark = rt::detail::header_mark();
     const std::int64_t f32 = static_cast<std::int64_t>(c10::ScalarType::Float);
+    const std::int64_t one = rt::detail::kBlockBytes;  // the first transfer's bytes
+    const std::int64_t eib4 = std::int64_t{1} << 62;
     const std::vector<torch::Tensor> crafted{
-        header({12345, 4, 0, 1}),                               // not a stagewise header
-        header({magic, 1 << 30, 1, 1}),                         // a length no header has
-        header({magic, 8, 1, 1, 1, 99, 1, 4}),                  // an unknown dtype
-        header({magic, 9, 1, 1, 1, f32, 2, 1 << 30, 1 << 30}),  // 4 EiB of floats
-        header({magic, 8, 1, 1, 1, f32, 1, -5}),                // a negative size
-        header({magic, 8, 2, 1, 1, f32, 1, 4}),                 // cut off
-        header({magic, 8, 1, 3, 1, f32, 1, 16385}),             // more inline than fits
+        header({12345, 5, 0, 1, one}),                                        // not stagewise's
+        header({mark, 1 << 30, 1, 1, one}),                                   // no header that long
+        header({mark, 9, 1, 1, one, 1, 99, 1, 4}),                            // an unknown dtype
+        header({mark, 12, 1, 1, one, 1, f32, 2, 1 << 30, 1 << 30, eib4, 0}),  // 4 EiB of floats
+        header({mark, 9, 1, 1, one, 1, f32, 1, -5}),                          // a negative size
+        header({mark, 11, 2, 1, one, 1, f32, 1, 4, 16, 0}),                   // cut off
+        header({mark, 9, 1, 3, one, 1, f32, 1, 16385}),  // more inline than fits
+        header({mark, 9, 1, 3, one, 1, f32, 1, 4}),      // inline, but 512 B
     };
     const auto n = static_cast<int>(crafted.size());
     auto r = run_ranks(
@@ -420,8 +415,8 @@ TEST_SUITE("c10d transport") {
           const MessageKey k{TransferKind::activation, 1, 0};
           if (rank == 0) {
             for (const auto& h : crafted) {
-              std::vector<at::Tensor> one{h};
-              c.group.send(one, 1, rt::detail::message_tag(k, 0))->wait();
+              std::vector<at::Tensor> one_header{h};
+              c.group.send(one_header, 1, rt::detail::message_tag(k, 0))->wait();
             }
             c.store->wait({"victim_done"});
             return;
@@ -446,24 +441,26 @@ TEST_SUITE("c10d transport") {
     const std::string tail =
         "; every rank must run the same stagewise version and pipe, and no "
         "other program may talk to this job's port\n";
-    CHECK(
-        of(r, 1).text ==
-        from +
-            "garbled (no stagewise header mark): every rank must run the same stagewise "
-            "version and pipe, and no other program may talk to this job's port\n" +
-            from +
-            "corrupt: it claims 1073741824 words (a header has 4 to 65536); every rank "
-            "must run the same stagewise version and pipe\n" +
-            from + "corrupt: tensor 0 has unknown dtype 99" + tail +
-            "stagewise: a message from rank 0 (for the activation of micro-batch 0 for stage 1) "
-            "would need 4.61169e+18 bytes, above the limit of 17179869184 bytes per message "
-            "(C10dOptions::max_message_bytes): raise the limit if a stage really sends that much, "
-            "else the sender is not a rank of this pipe\n" +
-            from + "corrupt: tensor 0 has size -5" + tail + from + "corrupt: tensor 1 is cut off" +
-            tail + from +
-            "corrupt: it claims 65540 bytes inline, where a first transfer holds 65536 after a "
-            "header of at most 64 words" +
-            tail);
+    CHECK(of(r, 1).text ==
+          from +
+              "garbled (no stagewise header mark): every rank must run the same stagewise "
+              "version and pipe, and no other program may talk to this job's port\n" +
+              from +
+              "corrupt: it claims 1073741824 words (a header has 5 to 65536); every rank "
+              "must run the same stagewise version and pipe\n" +
+              from + "corrupt: tensor 0 has unknown dtype 99" + tail +
+              "stagewise: a message from rank 0 (for the activation of micro-batch 0 for stage "
+              "1) would need 4.61169e+18 bytes, above the limit of 17179869184 bytes per message "
+              "(C10dOptions::max_message_bytes): raise the limit if a stage really sends that "
+              "much, else the sender is not a rank of this pipe\n" +
+              from + "corrupt: tensor 0 has size -5" + tail + from +
+              "corrupt: tensor 1 is cut off" + tail + from +
+              "corrupt: it claims 65540 bytes inline, where a first transfer holds 65536 after a "
+              "header of at most 63 words" +
+              tail + from +
+              "corrupt: it announces a first transfer of 512 bytes, where its inline tensors "
+              "make 1024" +
+              tail);
   }
 
   // Over Gloo a message whose tensors fit 64 KiB travels in one transfer with its header; a
@@ -478,7 +475,7 @@ TEST_SUITE("c10d transport") {
           torch::rand({(room - 8) / 8}, torch::kFloat64), torch::tensor(true)},
          false},  // odd sizes, undefined and empty: 65532 B
         {{torch::randint(256, {room - 1}, torch::kUInt8), torch::ones(1, torch::kInt8)}, false},
-        {{}, true},  // no tensors at all
+        {{}, false},  // no tensors at all (a tuple of none: a batch of one tensor has one)
     };
     const auto n = static_cast<int>(messages.size());
     auto r = run_ranks(
@@ -511,29 +508,27 @@ TEST_SUITE("c10d transport") {
     }
   }
 
-  // The wire format, from outside: a header flagged inline, its tensors' bytes right after it.
-  TEST_CASE("an inline message is its header's 64 words, then its tensors' bytes") {
+  // The wire format, from outside: a header flagged inline, its tensors' bytes right after its
+  // 63 words, zeros up to 512 bytes, and the end mark in the last word.
+  TEST_CASE("an inline message is its header's 63 words, its tensors' bytes, and an end mark") {
     auto r = run_ranks(
         2,
         [](int rank) {
           auto c = connected();
           const MessageKey k{TransferKind::activation, 1, 0};
           if (rank == 0) {
+            // Written out, not made by the library: 8 bytes inline make a 1024-byte transfer.
             const std::int64_t f32 = static_cast<std::int64_t>(c10::ScalarType::Float);
-            const std::vector<std::int64_t> words{rt::detail::kHeaderMagic,
-                                                  9,
-                                                  1,
-                                                  rt::detail::kTupleFlag | rt::detail::kInlineFlag,
-                                                  1,
-                                                  f32,
-                                                  2,
-                                                  1,
-                                                  2};
-            auto wire = torch::zeros({rt::detail::kHeaderWords + 1}, torch::kInt64);
-            std::copy(words.begin(), words.end(), wire.data_ptr<std::int64_t>());
+            // Version 2's mark, 10 words, 1 tensor, tuple and inline flags, 1024 bytes in the
+            // first transfer; tensor 0 defined, Float, 2 dimensions: [1, 2].
+            const std::vector<std::int64_t> words{
+                (std::int64_t{0x537748} << 16) | 2, 10, 1, 1 | 2, 1024, 1, f32, 2, 1, 2};
+            auto wire = torch::zeros({128}, torch::kInt64);
+            auto* w = wire.data_ptr<std::int64_t>();
+            std::copy(words.begin(), words.end(), w);
             const float values[2] = {1.5F, -2.0F};
-            std::memcpy(wire.data_ptr<std::int64_t>() + rt::detail::kHeaderWords, values,
-                        sizeof values);
+            std::memcpy(w + 63, values, sizeof values);    // the payload, from byte 504
+            w[127] = (std::int64_t{0x5377} << 48) | 1024;  // the end mark
             std::vector<at::Tensor> one{wire};
             c.group.send(one, 1, rt::detail::message_tag(k, 0))->wait();
             c.store->wait({"read"});

@@ -1,7 +1,12 @@
 #include "stagewise/runtime/c10d/startup.hpp"
+#include "stagewise/pipe/distributed/pipe.hpp"
+#include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
+#include "stagewise/runtime/c10d/options.hpp"
 
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/version.h>
 
 #include "tests/support/errors.hpp"
 #include "tests/support/multiprocess.hpp"
@@ -12,8 +17,11 @@
 #include <string>
 #include <vector>
 
+namespace sw = stagewise;
 namespace rt = stagewise::runtime;
+using stagewise::testing::contains;
 using stagewise::testing::error_of;
+using stagewise::testing::report;
 using stagewise::testing::run_ranks;
 using namespace std::chrono_literals;
 
@@ -62,6 +70,70 @@ TEST_SUITE("distributed start-up checks") {
             "stagewise::distributed: the pipe has 4 stages on 4 workers, one per rank, but "
             "WORLD_SIZE is 2; start 4 ranks (tools/launch -n 4), or change the balance or the "
             "schedule's virtual stages to fit 2 ranks");
+    }
+  }
+}
+
+TEST_SUITE("wire handshake") {
+  TEST_CASE("a rank announces its wire version, inline room, layout, LibTorch, device, dtypes") {
+    const auto w = rt::wire_format(rt::C10dOptions());
+    CHECK(w.version == 2);
+    CHECK(w.inline_bytes == 64 * 1024);
+    CHECK(w.libtorch == TORCH_VERSION);
+    CHECK(w.device == "cpu");
+    CHECK(contains(w.dtypes, "Float=6/4"));
+    CHECK(contains(w.dtypes, "BFloat16=15/2"));
+    CHECK(rt::wire_format(rt::C10dOptions().device(torch::Device("cuda:1"))).inline_bytes == 0);
+    CHECK(rt::wire_format(rt::C10dOptions().device(torch::Device("cuda:1"))).device == "cuda");
+  }
+
+  TEST_CASE("ranks with different wire formats all fail at start-up, naming both and each field") {
+    auto r = run_ranks(
+        3,
+        [](int rank) {
+          auto c = rt::connect(rt::rendezvous_env(), rt::ConnectOptions{10s});
+          auto mine = rt::wire_format(rt::C10dOptions());
+          if (rank == 2) {
+            mine.inline_bytes = 1024;
+            mine.libtorch = "0.0.1";
+          }
+          report(error_of([&] { rt::check_same_wire(c, mine); }));
+        },
+        60s);
+    for (int k = 0; k < 3; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+      CHECK(r[static_cast<std::size_t>(k)].text ==
+            std::string("stagewise::distributed: ranks 0 and 2 speak different wire formats: "
+                        "inline room is 65536 bytes on rank 0 but 1024 bytes on rank 2; LibTorch "
+                        "is ") +
+                TORCH_VERSION +
+                " on rank 0 but 0.0.1 on rank 2. Every rank must run the same stagewise and "
+                "LibTorch build with the same transport device (Gloo on CPU, or NCCL on GPU), "
+                "or they would misread each other's messages");
+    }
+  }
+
+  TEST_CASE("a pipe whose ranks speak different wire versions fails at construction, naming both") {
+    auto r = run_ranks(
+        2,
+        [](int rank) {
+          if (rank == 1) rt::detail::wire_version_for_tests = 3;  // as another build would
+          torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+          report(error_of([&] {
+            sw::distributed::Pipe pipe(seq, sw::balance{1, 1}, sw::PipeOptions().chunks(2),
+                                       sw::distributed::Options().timeout(10s));
+          }));
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+      CHECK(r[static_cast<std::size_t>(k)].text ==
+            "stagewise::distributed: ranks 0 and 1 speak different wire formats: wire version is "
+            "2 on rank 0 but 3 on rank 1. Every rank must run the same stagewise and LibTorch "
+            "build with the same transport device (Gloo on CPU, or NCCL on GPU), or they would "
+            "misread each other's messages");
     }
   }
 }

@@ -151,4 +151,9 @@ inline std::vector<RankOutcome> run_ranks(int world, const std::function<void(in
   return out;
 }
 
+/// Rank `rank`'s outcome in run_ranks' result.
+inline const RankOutcome& of(const std::vector<RankOutcome>& outcomes, int rank) {
+  return outcomes[static_cast<std::size_t>(rank)];
+}
+
 }  // namespace stagewise::testing

@@ -122,8 +122,8 @@ struct Options {
 /// each keeps only its own stages (stage j on rank j % K for K ranks, or as
 /// `Options::placed_like` says) and runs them with the same execution core as the one-process
 /// `Pipe`, exchanging activations, gradients and skip tensors over c10d. Rank placement, world
-/// size and the model's shapes are checked before any step, and each step's communication is
-/// verified deadlock-free (`schedule::verify_comms`).
+/// size, the wire format and the model's shapes are checked before any step, and each step's
+/// communication is verified deadlock-free (`schedule::verify_comms`).
 ///   // every rank, started by tools/launch -n 2 (or torchrun):
 ///   auto pipe = stagewise::distributed::Pipe(seq, sw::balance{2, 2}, sw::PipeOptions().chunks(8));
 ///   auto loss = pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // every rank
@@ -184,7 +184,9 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
     for (const auto& spec : specs) {
       signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
-    // Every rank of every replica built the same model.
+    // Every rank of every replica speaks the same wire format and built the same model.
+    runtime::check_same_wire(job_, runtime::wire_format(dist_.transport()),
+                             dist_.transport().prefix() + "/wire", dist_.connect().timeout);
     runtime::check_same_model(job_, signatures, dist_.transport().prefix() + "/model",
                               dist_.connect().timeout);
     if (d > 1) join_replicas();

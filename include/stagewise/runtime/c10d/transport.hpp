@@ -37,9 +37,12 @@ namespace stagewise::runtime {
 /// Moves messages between the stages of a pipeline whose stages live in several processes:
 /// to a stage of this process through the step's MailboxTransport, to another rank over c10d
 /// point-to-point. A message to another rank is a header (number of tensors, atomic flag, and
-/// per tensor: defined?, dtype, shape) followed by one send per non-empty tensor, all under one
-/// tag derived from the key and the step, so receivers need no shapes in advance and keys
-/// cannot mix across steps.
+/// per tensor: defined?, dtype, shape, and for a tensor sent on its own its size and last bytes)
+/// followed by one send per non-empty tensor, all under one tag derived from the key and the
+/// step, so receivers need no shapes in advance and keys cannot mix across steps. Each transfer
+/// is checked on arrival against its header, and a gradient against the activation it answers
+/// (detail/header.hpp, detail/arrival.hpp); ranks compare their wire formats at start-up
+/// (`check_same_wire`, which distributed::Pipe runs).
 ///
 /// Failures end the whole job, boundedly: a rank that calls `abort(e)` writes its error to the
 /// store, where every other rank looks every `poll`; a rank whose connection closes (killed,
@@ -118,6 +121,7 @@ class C10dTransport : private detail::C10dReceiver {
     if (begun_) ++step_;
     begun_ = true;
     auto local = std::make_unique<MailboxTransport>(stages, micro_batches, skips);
+    replies_.clear();
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopped_) local->abort(failure_);
     local_ = std::move(local);
@@ -344,6 +348,8 @@ class C10dTransport : private detail::C10dReceiver {
       if (failure_) throw_copy(failure_);
       if (stopped_) return;  // this rank aborted: nobody waits for it any more
     }
+    // Before it leaves: its gradient cannot come back earlier.
+    if (auto reply = reply_to(k)) replies_.expect(*reply, k, m);
     // Onto the transport's device through the one crossing helper (this is the sending stage's
     // worker: its current stream is the stage's compute stream).
     const auto out = detail::transfers_of(m, options_.device(), inline_room());
@@ -400,6 +406,21 @@ class C10dTransport : private detail::C10dReceiver {
                    : routes_[static_cast<std::size_t>(k.skip)].pop_stage;
     }
     return k.stage;
+  }
+
+  // The gradient that answers message `k` (an activation or a skip), which this rank will receive.
+  std::optional<MessageKey> reply_to(const MessageKey& k) const {
+    using schedule::TransferKind;
+    if (k.stage < 0) return std::nullopt;  // a shared value
+    if (k.kind == TransferKind::activation) {
+      return MessageKey{TransferKind::gradient, k.stage - 1, k.micro};
+    }
+    if (k.kind == TransferKind::skip && k.skip >= 0 &&
+        static_cast<std::size_t>(k.skip) < routes_.size()) {
+      return MessageKey{TransferKind::skip_grad,
+                        routes_[static_cast<std::size_t>(k.skip)].stash_stage, k.micro, k.skip};
+    }
+    return std::nullopt;
   }
 
   int tag_of(const MessageKey& k) const { return detail::message_tag(k, step_.load()); }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/runtime/c10d/detail/arrival.hpp"
 #include "stagewise/runtime/c10d/detail/failure.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
@@ -11,6 +12,7 @@
 #include <torch/types.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -30,7 +32,8 @@ namespace stagewise::runtime::detail {
 // one tensor at a time, or ahead of time by `expect` and completed in order by the receiver
 // thread (`receive_ahead`, started and joined by C10dTransport), which `take_ahead` waits for.
 // Also holds what C10dTransport's sends share with the receives: the mutex that serialises their
-// posts and the counters of the traffic with other ranks.
+// posts, the counters of the traffic with other ranks, and the form of the replies due for what
+// it sent (Replies).
 class C10dReceiver : protected C10dFailures {
  protected:
   C10dReceiver(const Connection& c, C10dOptions options) : C10dFailures(c, std::move(options)) {}
@@ -55,45 +58,51 @@ class C10dReceiver : protected C10dFailures {
   // small tensors over Gloo, none over NCCL.
   std::int64_t inline_room() const { return options_.device().is_cpu() ? kInlineBytes : 0; }
 
-  // The buffer a message's first transfer is received into: its header and the inline room.
-  torch::Tensor first_part() const {
-    return torch::empty({kHeaderWords + inline_room() / 8},
-                        torch::TensorOptions().dtype(torch::kInt64).device(options_.device()));
-  }
+  // The receive a message's first transfer arrives in: its header and the inline room.
+  torch::Tensor first_part() const { return first_receive(options_.device(), inline_room()); }
 
   // The rest of a message whose first part `first` (first_part()) has arrived: the header's
   // tail, then the tensors, which are in `first` already when they travelled inline; counted in
-  // the traffic unless `counted` is false. Nothing once this process aborted.
+  // the traffic unless `counted` is false. Every transfer is checked against the header (its
+  // version, length and end mark; a separate tensor's announced size before its receive is
+  // posted, and its last bytes after), and a reply against what this rank sent for it, before
+  // anything is allocated for it. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& first, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
     const auto from = [&] { return "rank " + name_of(src) + " (for " + detail::describe(k) + ")"; };
-    std::vector<std::int64_t> words;
     const auto cpu = copy_to(first, torch::kCPU);
-    {
-      const auto rest = detail::header_rest(cpu, from);
-      words.assign(cpu.data_ptr<std::int64_t>(), cpu.data_ptr<std::int64_t>() + kHeaderWords);
-      if (rest > 0) {
-        auto more = torch::empty({rest}, first.options());
-        if (!receive(more, src, tag, k)) return std::nullopt;
-        auto m = copy_to(more, torch::kCPU);
-        words.insert(words.end(), m.data_ptr<std::int64_t>(), m.data_ptr<std::int64_t>() + rest);
-      }
+    const std::int64_t n = detail::check_first(cpu, from);
+    const auto* w = cpu.data_ptr<std::int64_t>();
+    std::vector<std::int64_t> words(w, w + std::min(n, kFirstWords));
+    if (n > kFirstWords) {
+      auto more = detail::rest_receive(n, options_.device());
+      if (!receive(more, src, tag, k)) return std::nullopt;
+      const auto rest = copy_to(more, torch::kCPU);
+      detail::check_rest(rest, from);
+      const auto* r = rest.data_ptr<std::int64_t>();
+      words.insert(words.end(), r, r + (n - kFirstWords));
     }
-    Message m = detail::decode_header(words, options_.device(), options_.max_message_bytes(),
-                                      inline_room(), from);
-    const bool inlined = detail::inline_payload(words);
-    const auto* payload =
-        reinterpret_cast<const char*>(cpu.data_ptr<std::int64_t>() + kHeaderWords);
+    const auto layout =
+        detail::parse_header(words, options_.max_message_bytes(), inline_room(), from);
+    detail::check_form(k, layout, name_of(src));
+    replies_.check(k, layout, name_of(src));
+    Message m = detail::allocate(layout, options_.device());
     std::int64_t bytes = 0;
-    for (auto& t : m.tensors) {
-      if (t.defined() && t.numel() > 0) {
-        if (inlined) {  // decode_header checked that they fit the room
-          std::memcpy(t.data_ptr(), payload + bytes, t.nbytes());
-        } else if (!receive(t, src, tag, k)) {
-          return std::nullopt;
-        }
+    if (layout.inlined) {  // parse_header checked that they fit the room
+      const auto* payload = reinterpret_cast<const char*>(w + kFirstWords);
+      for (auto& t : m.tensors) {
+        if (!t.defined() || t.numel() == 0) continue;
+        std::memcpy(t.data_ptr(), payload + bytes, t.nbytes());
         bytes += static_cast<std::int64_t>(t.nbytes());
       }
+    } else {
+      detail::clear_tails(m, layout);
+      for (auto& t : m.tensors) {
+        if (!t.defined() || t.numel() == 0) continue;
+        if (!receive(t, src, tag, k)) return std::nullopt;
+        bytes += static_cast<std::int64_t>(t.nbytes());
+      }
+      detail::check_tails(m, layout, from);
     }
     if (counted) {
       ++messages_received_;
@@ -212,6 +221,7 @@ class C10dReceiver : protected C10dFailures {
     waiting_.erase(id);
   }
 
+  Replies replies_;  // the form of the gradients due for what this rank sent
   std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
   std::atomic<std::int64_t> messages_received_{0}, bytes_received_{0};
 
