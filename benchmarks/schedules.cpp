@@ -305,12 +305,9 @@ std::vector<double> memory_section(int k) {
       if (rise > 1024) r.measured.push_back(rise);
     }
     const int per_stage = 2 * k / r.stages;
-    std::vector<sched::CellBytes> bytes;
-    for (int j = 0; j < r.stages; ++j) {
-      bytes.push_back(sw::bench::cell_bytes(bottleneck(per_stage), kMemRows, kMemWidth, j == 0,
-                                            j == r.stages - 1, r.split));
-    }
-    r.predicted = sched::peak_bytes(r.plan, bytes);
+    r.predicted = sched::peak_bytes(
+        r.plan, sw::bench::stage_cell_bytes([&] { return bottleneck(per_stage); }, r.stages,
+                                            kMemRows, kMemWidth, r.split));
   }
   std::printf(
       "activation memory, K=%d workers, M=%d, %d x [Linear(%d,%d), ReLU, Linear(%d,%d)], %d rows "

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace stagewise::bench {
 
@@ -77,6 +78,20 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t 
   split.weight_grad();
   c.weight_working = static_cast<double>(memory.peak() - before) - c.input_grad;
   return c;
+}
+
+/// The CellBytes of every stage of a pipe of `stages` stages built alike (`make_stage()` makes
+/// one), first and last stage measured as such: what schedule::peak_bytes takes.
+///   auto bytes = stagewise::bench::stage_cell_bytes([] { return block(); }, 8, 64, 16, true);
+template <class MakeStage>
+std::vector<schedule::CellBytes> stage_cell_bytes(const MakeStage& make_stage, int stages,
+                                                  std::int64_t rows, std::int64_t width,
+                                                  bool split_backward) {
+  std::vector<schedule::CellBytes> out;
+  for (int j = 0; j < stages; ++j) {
+    out.push_back(cell_bytes(make_stage(), rows, width, j == 0, j == stages - 1, split_backward));
+  }
+  return out;
 }
 
 }  // namespace stagewise::bench

@@ -69,17 +69,10 @@ class CountingAllocator final : public c10::Allocator {
   /// The largest rise over `before` (from `thread_current()`, just before a `reset_peak()`) of
   /// any one thread's bytes since that reset: the peak a single worker, i.e. device, added.
   long long max_thread_rise(const std::vector<long long>& before) const {
-    std::lock_guard<std::mutex> lock(threads_mutex_);
     long long most = 0;
-    std::size_t i = 0;
-    for (const auto& t : threads_) {
-      const long long base = i < before.size() ? before[i] : 0;
-      most = std::max(most, t.peak.load() - base);
-      ++i;
-    }
+    for (long long rise : thread_rises(before)) most = std::max(most, rise);
     return most;
   }
-
   /// Each thread's rise over `before` since the last reset_peak(), as `max_thread_rise` takes it
   /// (one entry per thread, in the order they first allocated).
   std::vector<long long> thread_rises(const std::vector<long long>& before) const {

@@ -2,8 +2,6 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
-#include "stagewise/nn/convert_deferred_batch_norm.hpp"
-#include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/pipe/detail/pipe_over.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
@@ -147,7 +145,7 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   template <class... T>
   requires(sizeof...(S) == 0 && sizeof...(T) == 0)
       Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
-      : Pipe(with_deferred_batch_norm(seq, options), b, options, 0) {}
+      : Pipe(detail::with_deferred_batch_norm(seq, options), b, options, 0) {}
 
  private:
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
@@ -160,13 +158,6 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options, int)
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
             detail::partition(seq, b), std::move(options), layers_of(seq))) {}
-  // With deferred_batch_norm(true), a copy of `seq` whose batch norms are DeferredBatchNorms
-  // sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself.
-  static torch::nn::Sequential with_deferred_batch_norm(const torch::nn::Sequential& seq,
-                                                        const PipeOptions& options) {
-    if (!options.deferred_batch_norm()) return seq;
-    return convert_deferred_batch_norm(seq, options.chunks());
-  }
   static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(
       const torch::nn::Sequential& seq) {
     return seq->children();

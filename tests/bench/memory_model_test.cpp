@@ -66,12 +66,8 @@ void check_schedule(const std::string& name, S s, int stages, bool split, double
   const int blocks = kBlocks / stages;
   // The simulator's cells on each worker, weighted by what a cell keeps before and after its I,
   // and the working memory of each backward part while it runs.
-  std::vector<sched::CellBytes> bytes;
-  for (int j = 0; j < stages; ++j) {
-    bytes.push_back(sw::bench::cell_bytes(model(blocks), kRows, kWidth, j == 0, j == stages - 1,
-                                          split));
-  }
-  const auto predicted = sched::peak_bytes(plan, bytes);
+  const auto predicted = sched::peak_bytes(
+      plan, sw::bench::stage_cell_bytes([&] { return model(blocks); }, stages, kRows, kWidth, split));
   // This pipe's workers are the newest threads, made in worker order.
   const auto k = predicted.size();
   REQUIRE(rises.size() >= k);

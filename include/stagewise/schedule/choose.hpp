@@ -166,7 +166,8 @@ inline std::string number(double x) {
   return out.str();
 }
 
-// Simulates one candidate and judges it against the limit.
+// Simulates one candidate and judges it against the limit; its simulation goes to `*sim_out`
+// (untouched when the schedule cannot run here).
 inline ScheduleEstimate estimate(const ScheduleCandidate& c, int workers, int micro_batches,
                                  const Costs& costs, const ActivationLimit& limit,
                                  Simulation* sim_out) {
@@ -176,9 +177,11 @@ inline ScheduleEstimate estimate(const ScheduleCandidate& c, int workers, int mi
   const double v = c.stages_per_worker;
   const Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v,
                    costs.recompute < 0 ? -1.0 : costs.recompute / v};
+  Plan p;
   Simulation sim;
   try {
-    sim = simulate(plan(c.schedule, e.stages, micro_batches), part);
+    p = plan(c.schedule, e.stages, micro_batches);
+    sim = simulate(p, part);
   } catch (const std::exception& ex) {
     e.why_not = std::string("cannot run here: ") + ::stagewise::detail::message_of(ex);
     e.makespan = std::numeric_limits<double>::infinity();
@@ -189,7 +192,6 @@ inline ScheduleEstimate estimate(const ScheduleCandidate& c, int workers, int mi
   for (int peak : sim.worker_peak_in_flight) e.peak_micro_batches.push_back(peak / v);
   e.fits = true;
   if (limit.limit_bytes > 0) {
-    const auto p = plan(c.schedule, e.stages, micro_batches);
     std::vector<CellBytes> per_stage;
     for (int s = 0; s < e.stages; ++s) {
       per_stage.push_back(limit.stage_on(p.worker_of(s), c.stages_per_worker));
@@ -213,7 +215,7 @@ inline ScheduleEstimate estimate(const ScheduleCandidate& c, int workers, int mi
                   number(limit.limit_micro_batches);
     }
   }
-  if (sim_out) *sim_out = std::move(sim);
+  *sim_out = std::move(sim);
   return e;
 }
 
@@ -237,8 +239,9 @@ inline Choice choose(int workers, int micro_batches, const Costs& costs,
   TORCH_CHECK(!candidates.empty(), "stagewise::schedule::choose: no candidate schedules; leave "
               "the argument out for the built-in ones");
   std::vector<std::pair<ScheduleEstimate, std::size_t>> all;
+  std::vector<Simulation> sims(candidates.size());
   for (std::size_t i = 0; i < candidates.size(); ++i) {
-    all.emplace_back(detail::estimate(candidates[i], workers, micro_batches, costs, limit, nullptr),
+    all.emplace_back(detail::estimate(candidates[i], workers, micro_batches, costs, limit, &sims[i]),
                      i);
   }
   std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
@@ -247,8 +250,11 @@ inline Choice choose(int workers, int micro_batches, const Costs& costs,
   Choice choice{candidates.front().schedule, 0, {}, {}, {}};
   std::size_t best = candidates.size();
   for (const auto& [e, i] : all) {
+    if (best == candidates.size() && e.fits) {
+      best = i;
+      choice.chosen = e;
+    }
     choice.all.push_back(e);
-    if (best == candidates.size() && e.fits) best = i;
   }
   if (best == candidates.size()) {
     std::string why;
@@ -258,9 +264,8 @@ inline Choice choose(int workers, int micro_batches, const Costs& costs,
                 "\nRaise the limit, checkpoint (each cell then keeps only its input), offload, or "
                 "use more, smaller micro-batches (V-Min's peak does not grow with them)");
   }
-  const auto& c = candidates[best];
-  choice.schedule = c.schedule;
-  choice.chosen = detail::estimate(c, workers, micro_batches, costs, limit, &choice.simulation);
+  choice.schedule = candidates[best].schedule;
+  choice.simulation = std::move(sims[best]);
   choice.stages = choice.chosen.stages;
   return choice;
 }

@@ -71,69 +71,6 @@ struct Simulation {
   }
 };
 
-/// Runs a plan on a virtual clock with each action's own cost: `cost(action)` says how long that
-/// action takes (e.g. the time it took in a recorded step, to ask what the schedule alone implies
-/// for those durations). Everything else as `simulate(plan, costs)`.
-///   std::map<std::string, double> took;   // from a recorded Timeline: to_string(action) -> ms
-///   auto sim = stagewise::schedule::simulate(
-///       plan, [&](const stagewise::schedule::Action& a) { return took.at(to_string(a)); });
-template <class Cost>
-  requires std::is_invocable_r_v<double, const Cost&, const Action&>
-Simulation simulate(const Plan& plan, const Cost& cost) {
-  detail::Dependencies deps(plan.stages, plan.micro_batches);
-  auto r = detail::replay(plan.programs, deps, [&](const Action& a) {
-    const double c = cost(a);
-    TORCH_CHECK(c >= 0.0, "stagewise::schedule::simulate: the cost of ", to_string(a), " is ", c,
-                "; give costs of 0 or more");
-    return c;
-  });
-  TORCH_CHECK(r.complete,
-              "stagewise::schedule::simulate: the plan deadlocks; build it with "
-              "stagewise::schedule::plan, which verifies the schedule");
-  Simulation sim;
-  sim.timeline.stages = plan.stages;
-  sim.timeline.micro_batches = plan.micro_batches;
-  sim.timeline.workers = plan.workers;
-  sim.timeline.unit = "T";
-  sim.timeline.actions = std::move(r.timed);
-  std::stable_sort(sim.timeline.actions.begin(), sim.timeline.actions.end(),
-                   [](const TimedAction& x, const TimedAction& y) { return x.start < y.start; });
-  // In flight: +1 at F, -1 at the cell's last backward part. A worker performs its stages'
-  // actions in program order, so counting along the program is exact.
-  sim.peak_in_flight.assign(static_cast<std::size_t>(plan.stages), 0);
-  sim.worker_peak_in_flight.assign(static_cast<std::size_t>(plan.workers), 0);
-  std::vector<int> now(static_cast<std::size_t>(plan.stages), 0);
-  for (std::size_t w = 0; w < plan.programs.size(); ++w) {
-    int on_worker = 0;
-    for (const auto& a : plan.programs[w]) {
-      int delta = 0;
-      if (a.kind == ActionKind::forward) delta = 1;
-      if (a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad) delta = -1;
-      auto& n = now[static_cast<std::size_t>(a.stage)];
-      n += delta;
-      on_worker += delta;
-      auto& peak = sim.peak_in_flight[static_cast<std::size_t>(a.stage)];
-      peak = std::max(peak, n);
-      sim.worker_peak_in_flight[w] = std::max(sim.worker_peak_in_flight[w], on_worker);
-    }
-  }
-  // Over the whole pipeline, in time: a cell lives from its F's start to its last part's end.
-  std::vector<std::pair<double, int>> events;
-  for (const auto& t : sim.timeline.actions) {
-    if (t.action.kind == ActionKind::forward) events.emplace_back(t.start, 1);
-    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) {
-      events.emplace_back(t.end, -1);
-    }
-  }
-  std::sort(events.begin(), events.end());  // at equal times, ends (-1) before starts
-  int alive = 0;
-  for (const auto& e : events) {
-    alive += e.second;
-    sim.total_peak_in_flight = std::max(sim.total_peak_in_flight, alive);
-  }
-  return sim;
-}
-
 /// What one cell (micro-batch, stage) holds, for `peak_bytes`: from its F until its backward,
 /// `forward` (the activations its backward needs); from its I until its W, `input_grad` (what the
 /// weight gradient still needs: each layer's input and output gradient). A full B frees the cell
@@ -180,6 +117,67 @@ inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBy
     peaks.push_back(peak);
   }
   return peaks;
+}
+
+/// Runs a plan on a virtual clock with each action's own cost: `cost(action)` says how long that
+/// action takes (e.g. the time it took in a recorded step, to ask what the schedule alone implies
+/// for those durations). Everything else as `simulate(plan, costs)`.
+///   std::map<std::string, double> took;   // from a recorded Timeline: to_string(action) -> ms
+///   auto sim = stagewise::schedule::simulate(
+///       plan, [&](const stagewise::schedule::Action& a) { return took.at(to_string(a)); });
+template <class Cost>
+  requires std::is_invocable_r_v<double, const Cost&, const Action&>
+Simulation simulate(const Plan& plan, const Cost& cost) {
+  detail::Dependencies deps(plan.stages, plan.micro_batches);
+  auto r = detail::replay(plan.programs, deps, [&](const Action& a) {
+    const double c = cost(a);
+    TORCH_CHECK(c >= 0.0, "stagewise::schedule::simulate: the cost of ", to_string(a), " is ", c,
+                "; give costs of 0 or more");
+    return c;
+  });
+  TORCH_CHECK(r.complete,
+              "stagewise::schedule::simulate: the plan deadlocks; build it with "
+              "stagewise::schedule::plan, which verifies the schedule");
+  Simulation sim;
+  sim.timeline.stages = plan.stages;
+  sim.timeline.micro_batches = plan.micro_batches;
+  sim.timeline.workers = plan.workers;
+  sim.timeline.unit = "T";
+  sim.timeline.actions = std::move(r.timed);
+  std::stable_sort(sim.timeline.actions.begin(), sim.timeline.actions.end(),
+                   [](const TimedAction& x, const TimedAction& y) { return x.start < y.start; });
+  // In flight: +1 at F, -1 at the cell's last backward part. A worker performs its stages'
+  // actions in program order, so counting along the program is exact; per worker, that is
+  // peak_bytes with a cell of 1.
+  sim.peak_in_flight.assign(static_cast<std::size_t>(plan.stages), 0);
+  std::vector<int> now(static_cast<std::size_t>(plan.stages), 0);
+  for (const auto& program : plan.programs) {
+    for (const auto& a : program) {
+      auto& n = now[static_cast<std::size_t>(a.stage)];
+      if (a.kind == ActionKind::forward) ++n;
+      if (a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad) --n;
+      auto& peak = sim.peak_in_flight[static_cast<std::size_t>(a.stage)];
+      peak = std::max(peak, n);
+    }
+  }
+  for (double cells : peak_bytes(plan, {CellBytes{}})) {
+    sim.worker_peak_in_flight.push_back(static_cast<int>(cells));
+  }
+  // Over the whole pipeline, in time: a cell lives from its F's start to its last part's end.
+  std::vector<std::pair<double, int>> events;
+  for (const auto& t : sim.timeline.actions) {
+    if (t.action.kind == ActionKind::forward) events.emplace_back(t.start, 1);
+    if (t.action.kind == ActionKind::backward || t.action.kind == ActionKind::weight_grad) {
+      events.emplace_back(t.end, -1);
+    }
+  }
+  std::sort(events.begin(), events.end());  // at equal times, ends (-1) before starts
+  int alive = 0;
+  for (const auto& e : events) {
+    alive += e.second;
+    sim.total_peak_in_flight = std::max(sim.total_peak_in_flight, alive);
+  }
+  return sim;
 }
 
 /// Runs a plan on a virtual clock: every worker performs its actions in order, each as soon as

@@ -36,6 +36,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <cstddef>
@@ -49,6 +50,15 @@
 #include <vector>
 
 namespace stagewise::detail {
+
+// With deferred_batch_norm(true), a copy of `seq` whose batch norms are DeferredBatchNorms
+// sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself. Both pipes build
+// their stages from it.
+inline torch::nn::Sequential with_deferred_batch_norm(const torch::nn::Sequential& seq,
+                                                      const PipeOptions& options) {
+  if (!options.deferred_batch_norm()) return seq;
+  return convert_deferred_batch_norm(seq, options.chunks());
+}
 
 template <runtime::pipe_transport Transport>
 class PipeOver : public PlacedStages {

@@ -1,6 +1,5 @@
 #pragma once
 
-#include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/pipe/detail/pipe_over.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
@@ -156,8 +155,7 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
                 "replicas' would drift apart; turn one of them off (plain batch norm, or one "
                 "replica)");
     auto specs = ::stagewise::detail::partition(
-        options_.deferred_batch_norm() ? convert_deferred_batch_norm(seq, options_.chunks()) : seq,
-        b);
+        ::stagewise::detail::with_deferred_batch_norm(seq, options_), b);
     const int n = static_cast<int>(specs.size());
     if (dist_.placement()) {
       placement_ = dist_.placement()(n);

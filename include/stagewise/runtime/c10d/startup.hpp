@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -44,41 +43,18 @@ inline void check_same_model(const Connection& c, const std::vector<std::string>
                              std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   std::string mine;
   for (const auto& s : signatures) mine += s + "\n";
-  c.store->set(key + "/" + std::to_string(c.env.rank),
-               std::vector<std::uint8_t>(mine.begin(), mine.end()));
-  auto lines_of = [&](int r) {
-    const std::string k = key + "/" + std::to_string(r);
-    // Polls with check(): a timed-out Store::wait leaves LibTorch 1.13's TCPStore client
-    // expecting a reply that never comes.
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!c.store->check({k})) {
-      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "stagewise::distributed: rank ", r,
-                  " did not describe its model within ", timeout.count(),
-                  " ms; every rank must construct the distributed pipe");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    const auto v = c.store->get(k);
-    std::vector<std::string> lines;
-    std::istringstream in(std::string(v.begin(), v.end()));
-    for (std::string line; std::getline(in, line);) lines.push_back(line);
-    return lines;
-  };
-  // Every rank reads every rank's signatures first, then compares them with rank 0's, so that
-  // all report the same first difference.
+  // Every rank reads every rank's signatures, then compares them with rank 0's, so that all
+  // report the same first difference. gather_text keeps the rank serving the store until every
+  // rank has read them: it may start its first step, and fail or be killed there, only once no
+  // rank still needs the store to start (a rank that lost the store in between would report the
+  // store's raw socket error from its constructor instead of the step's failure).
   std::vector<std::vector<std::string>> all;
-  for (int r = 0; r < c.env.world_size; ++r) all.push_back(lines_of(r));
-  // The rank serving the store waits (bounded) until every rank has read them: it may start its
-  // first step, and fail or be killed there, only once no rank still needs the store to start.
-  // A rank that lost the store in between would otherwise report the store's raw socket error
-  // from its constructor instead of the step's failure.
-  c.store->set(key + "/read/" + std::to_string(c.env.rank), std::vector<std::uint8_t>{1});
-  if (c.serves_store) {
-    std::vector<std::string> read;
-    for (int r = 0; r < c.env.world_size; ++r) read.push_back(key + "/read/" + std::to_string(r));
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!c.store->check(read) && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+  for (const auto& text : gather_text(c, key, mine, timeout,
+                                      "the model check (every rank must construct the pipe)")) {
+    std::vector<std::string> lines;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    all.push_back(std::move(lines));
   }
   const auto& reference = all[0];
   for (int r = 1; r < c.env.world_size; ++r) {
