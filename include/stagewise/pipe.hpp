@@ -2,10 +2,10 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
-#include "stagewise/pipe/detail/pipe_over.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
+#include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
@@ -40,14 +40,15 @@ namespace stagewise {
 /// - `train_step(x, target, loss_fn)`: forward and backward of every (micro-batch, stage) cell run
 ///   on the stage's worker following a schedule, so stages overlap in both directions; the
 ///   parameters' gradients accumulate exactly as unpipelined training on the micro-batches would.
-class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
+class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
  public:
   PipeImpl(std::vector<detail::StageSpec> specs, PipeOptions options,
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
-      : PipeOver("stagewise::Pipe", std::move(options)), layers_(std::move(layers)) {
+      : PipeOverImpl("stagewise::Pipe", std::move(options),
+                     std::make_unique<runtime::MailboxTransport>()),
+        layers_(std::move(layers)) {
     verify_ownership(specs);
-    build_stages(std::move(specs), [](std::size_t) { return true; });
-    set_transport(std::make_unique<runtime::MailboxTransport>());
+    build_stages(std::move(specs));
   }
 
   /// Runs the pipeline on one tensor; see the class comment. `x` may be on any device (each
@@ -68,7 +69,8 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
                                      is_training(), skips_->empty() ? nullptr : skips_);
   }
 
-  // train_step (four overloads), options(), skip_layout(): PipeOver, the step both pipes share.
+  // train_step (four overloads), options(), skip_layout(), save, load: PipeOverImpl, the step
+  // every pipe shares.
 
   /// Number of stages.
   std::size_t num_stages() const { return stages_.size(); }

@@ -368,11 +368,14 @@ TEST_SUITE("distributed pipe") {
             "{4.weight Float [8, 8]; 4.bias Float [8]; 7.weight Float [4, 8]; 7.bias Float [4]}; "
             "every rank must build the same model and balance\n"
             "stagewise::distributed::Pipe::train_step: the schedule runs the 2 stages on 1 "
-            "workers but the pipe was built for 2 ranks (Options::virtual_stages 1); build the "
-            "pipe with the schedule's stages per rank\n"
+            "workers but the pipe runs them on 2 ranks; build the pipe with "
+            "Options().placed_like(schedule) for a V-shaped schedule or "
+            "Options().virtual_stages(v) for v stages per rank (now 1), or pass a schedule that "
+            "places stage j on rank j % 2\n"
             "stagewise::distributed::Pipe::train_step: the schedule runs stage 2 on worker 1 but "
             "the pipe keeps it on rank 0; build the pipe with Options().placed_like(schedule) for "
-            "a V-shaped schedule, or pass a schedule that places stage j on rank j % 2");
+            "a V-shaped schedule or Options().virtual_stages(v) for v stages per rank (now 2), or "
+            "pass a schedule that places stage j on rank j % 2");
     }
   }
 }

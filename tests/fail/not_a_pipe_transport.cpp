@@ -3,11 +3,13 @@
 // and which expression is missing.
 // expect-error: pipe_transport
 // expect-error: t.begin_step(plan, routes)
-#include "stagewise/pipe/detail/pipe_over.hpp"
+#include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 
 #include <exception>
 #include <optional>
+#include <string>
+#include <vector>
 
 struct NoBeginStep {
   void send(const stagewise::runtime::MessageKey& k, stagewise::runtime::Message m) {
@@ -17,6 +19,8 @@ struct NoBeginStep {
     return mail.recv(k);
   }
   void abort(std::exception_ptr e) { mail.abort(e); }
+  stagewise::runtime::Processes processes() const { return {}; }
+  std::vector<std::string> gather(const std::string&, const std::string& mine) { return {mine}; }
   torch::Tensor share(const torch::Tensor& value, int, int) { return value; }
   void end_step() {}
   std::exception_ptr error() const { return mail.error(); }
@@ -26,6 +30,6 @@ struct NoBeginStep {
 
 int main() {
   static_assert(stagewise::runtime::transport<NoBeginStep>);  // a transport, but not a pipe's
-  stagewise::detail::PipeOver<NoBeginStep>* pipe = nullptr;
+  stagewise::PipeOver<NoBeginStep>* pipe = nullptr;
   (void)pipe;
 }

@@ -1,20 +1,23 @@
-// The one pipe over a transport of the test's own (pipe/detail/pipe_over.hpp): what adding a
-// transport takes (one class satisfying runtime::pipe_transport, and this test). Two "ranks" run
-// in one process, each a PipeOver keeping one stage of the same model, joined by a wire that
-// hands messages to the other rank's mailbox: the step must equal the one-process Pipe bit for
-// bit, with exactly the messages the plan sends across, the step values shared from the right
-// rank, and a failure on one rank reaching both.
+// The one pipe over a transport of the test's own (tests/support/wire_transport.hpp: one header
+// over the public runtime::pipe_transport concept, and `using WirePipe = PipeOver<WireEnd>`).
+// Two "ranks" run in one process, each keeping one stage of the same model: the step must equal
+// the one-process Pipe bit for bit, with exactly the messages the plan sends across, the step
+// values shared from the right rank, a failure on one rank reaching both, and the pipe must
+// refuse a transport or a schedule that places the stages otherwise. The shared transport tests
+// (transport_suite_test.cpp) run over it too.
 
-#include "stagewise/pipe/detail/pipe_over.hpp"
+#include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/pipe.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
+#include "stagewise/schedule/zero_bubble_v.hpp"
 #include "stagewise/stage/partition.hpp"
 
 #include <torch/torch.h>
 
 #include "tests/support/errors.hpp"
+#include "tests/support/wire_transport.hpp"
 
 #include <doctest/doctest.h>
 
@@ -33,135 +36,12 @@
 #include <vector>
 
 namespace sw = stagewise;
-using sw::runtime::Message;
-using sw::runtime::MessageKey;
 
 namespace {
 
-// What joins the two ranks: a mailbox each (stage j's messages go to rank j's), a barrier at the
-// start of each step (so no message reaches a mailbox before its rank began the step), and the
-// shared step values.
-struct Wire {
-  std::array<sw::runtime::MailboxTransport, 2> inbox;
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::array<std::int64_t, 2> begun{0, 0};
-  std::array<std::int64_t, 2> ended{0, 0};
-  std::map<std::pair<std::int64_t, int>, torch::Tensor> values;  // (step, index) -> value
-  int failed = -1;                                               // the first rank that aborted
-  std::string what;
-};
-
-// One rank's end of the wire: the transport class a new transport would be.
-class WireEnd {
- public:
-  WireEnd(std::shared_ptr<Wire> wire, int rank) : wire_(std::move(wire)), rank_(rank) {}
-
-  void send(const MessageKey& k, Message m) {
-    if (k.stage != rank_) ++traffic_.messages_sent;
-    wire_->inbox[static_cast<std::size_t>(k.stage)].send(k, std::move(m));
-  }
-  // As a transport between processes must: nothing once this rank aborted, an error naming the
-  // rank once another one did.
-  std::optional<Message> recv(const MessageKey& k) {
-    auto m = wire_->inbox[static_cast<std::size_t>(rank_)].recv(k);
-    if (!m) throw_if_other_failed();
-    if (m && k.stage != source(k)) ++traffic_.messages_received;
-    return m;
-  }
-  // The mailboxes first, then the word: a rank that sees `failed` set finds its mailbox's first
-  // error already there (the one the pipe rethrows), as C10dTransport::abort orders it.
-  void abort(std::exception_ptr e) {
-    for (auto& box : wire_->inbox) box.abort(e);
-    std::lock_guard<std::mutex> lock(wire_->mutex);
-    if (wire_->failed < 0) {
-      wire_->failed = rank_;
-      try {
-        std::rethrow_exception(e);
-      } catch (const std::exception& x) {
-        wire_->what = x.what();
-      } catch (...) {
-      }
-    }
-    wire_->changed.notify_all();
-  }
-  void begin_step(const sw::schedule::Plan& plan,
-                  const std::vector<sw::schedule::SkipRoute>& routes) {
-    ++begun_;
-    wire_->inbox[static_cast<std::size_t>(rank_)].begin_step(plan, routes);
-    std::unique_lock<std::mutex> lock(wire_->mutex);
-    wire_->begun[static_cast<std::size_t>(rank_)] = step_;
-    wire_->changed.notify_all();
-    wire_->changed.wait(lock, [&] { return wire_->begun[0] >= step_ && wire_->begun[1] >= step_; });
-  }
-  torch::Tensor share(const torch::Tensor& value, int from, int index) {
-    shares_.push_back({from, index});
-    if (index == 0) ++step_;  // the count opens every step
-    std::unique_lock<std::mutex> lock(wire_->mutex);
-    const auto key = std::make_pair(step_, index);
-    if (from == rank_) {
-      wire_->values[key] = value.detach();
-      wire_->changed.notify_all();
-      return value;
-    }
-    wire_->changed.wait(lock, [&] { return wire_->failed >= 0 || wire_->values.count(key) > 0; });
-    if (wire_->values.count(key) > 0) return wire_->values[key];
-    lock.unlock();
-    throw_if_other_failed();
-    return {};
-  }
-  // Returns once both ranks finished the step; throws when the other one failed instead.
-  void end_step() {
-    {
-      std::unique_lock<std::mutex> lock(wire_->mutex);
-      wire_->ended[static_cast<std::size_t>(rank_)] = step_;
-      wire_->changed.notify_all();
-      wire_->changed.wait(lock, [&] {
-        return wire_->failed >= 0 || (wire_->ended[0] >= step_ && wire_->ended[1] >= step_);
-      });
-      if (wire_->failed < 0) return;
-    }
-    throw_if_other_failed();
-  }
-  std::exception_ptr error() const { return wire_->inbox[static_cast<std::size_t>(rank_)].error(); }
-  sw::runtime::Traffic traffic() const { return traffic_; }
-
-  int begun() const { return begun_; }
-  const std::vector<std::pair<int, int>>& shares() const { return shares_; }
-
- private:
-  void throw_if_other_failed() {
-    std::lock_guard<std::mutex> lock(wire_->mutex);
-    if (wire_->failed >= 0 && wire_->failed != rank_) {
-      throw std::runtime_error("rank " + std::to_string(wire_->failed) + " failed: " + wire_->what);
-    }
-  }
-  static int source(const MessageKey& k) {
-    return k.kind == sw::schedule::TransferKind::activation ? k.stage - 1 : k.stage + 1;
-  }
-
-  std::shared_ptr<Wire> wire_;
-  int rank_;
-  std::int64_t step_ = 0;
-  int begun_ = 0;
-  std::vector<std::pair<int, int>> shares_;
-  sw::runtime::Traffic traffic_;
-};
-
-static_assert(sw::runtime::pipe_transport<WireEnd>);
-
-// Rank `rank`'s pipe: stage `rank` of `seq` split into two stages, over the wire.
-class WirePipe : public sw::detail::PipeOver<WireEnd> {
- public:
-  WirePipe(const torch::nn::Sequential& seq, const sw::balance& b, sw::PipeOptions options,
-           std::shared_ptr<Wire> wire, int rank)
-      : PipeOver("wire pipe", std::move(options)) {
-    build_stages(sw::detail::partition(seq, b),
-                 [rank](std::size_t j) { return static_cast<int>(j) == rank; });
-    set_transport(std::make_unique<WireEnd>(std::move(wire), rank));
-  }
-  const WireEnd& wire_end() const { return *transport_; }
-};
+using sw::testing::Wire;
+using sw::testing::WireEnd;
+using sw::testing::WirePipe;
 
 torch::nn::Sequential mlp() {
   return torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
@@ -203,8 +83,8 @@ TEST_SUITE("one pipe over any transport") {
     const auto options = sw::PipeOptions().chunks(4).checkpoint(sw::Checkpoint::always);
     auto ref = sw::Pipe(torch::nn::Sequential(ref_seq), sw::balance{3, 2}, options);
     auto wire = std::make_shared<Wire>();
-    auto rank0 = std::make_shared<WirePipe>(seq, sw::balance{3, 2}, options, wire, 0);
-    auto rank1 = std::make_shared<WirePipe>(seq, sw::balance{3, 2}, options, wire, 1);
+    WirePipe rank0(seq, sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 0));
+    WirePipe rank1(seq, sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 1));
     CHECK(rank0->parameters().size() == 4);  // stage 0's two Linears
     CHECK(rank1->parameters().size() == 2);
 
@@ -234,9 +114,9 @@ TEST_SUITE("one pipe over any transport") {
     CHECK(rank1->traffic().messages_received == 8);
     // One begin_step per step; the count shared from stage 0's rank, the loss from stage 1's.
     const std::vector<std::pair<int, int>> shares{{0, 0}, {1, 1}, {0, 0}, {1, 1}};
-    for (const auto* pipe : {rank0.get(), rank1.get()}) {
-      CHECK(pipe->wire_end().begun() == 2);
-      CHECK(pipe->wire_end().shares() == shares);
+    for (const auto* pipe : {&rank0, &rank1}) {
+      CHECK((*pipe)->transport().begun() == 2);
+      CHECK((*pipe)->transport().shares() == shares);
     }
   }
 
@@ -244,8 +124,8 @@ TEST_SUITE("one pipe over any transport") {
     auto seq = mlp();
     auto wire = std::make_shared<Wire>();
     const auto options = sw::PipeOptions().chunks(2);
-    auto rank0 = std::make_shared<WirePipe>(seq, sw::balance{3, 2}, options, wire, 0);
-    auto rank1 = std::make_shared<WirePipe>(seq, sw::balance{3, 2}, options, wire, 1);
+    WirePipe rank0(seq, sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 0));
+    WirePipe rank1(seq, sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 1));
     auto bad_loss = [](const torch::Tensor& out, const torch::Tensor&) -> torch::Tensor {
       (void)out;
       throw std::runtime_error("the loss refuses");
@@ -263,5 +143,28 @@ TEST_SUITE("one pipe over any transport") {
     // it: the pipe rethrows the step's first error (the one the wire gave rank 0's mailbox).
     CHECK(errors[1] == errors[0]);
     CHECK(sw::testing::contains(errors[1], "the loss refuses"));
+  }
+
+  TEST_CASE("a transport placing other stages, or a schedule placing them otherwise, is refused") {
+    auto wire = std::make_shared<Wire>();
+    CHECK(sw::testing::error_of([&] {
+            WirePipe(mlp(), sw::balance{2, 2, 1}, {}, std::make_unique<WireEnd>(wire, 0));
+          }) ==
+          "stagewise::PipeOver: the transport places 2 stages but the balance makes 3; "
+          "build the transport for the pipe's stages");
+    CHECK(sw::testing::error_of([&] {
+            WirePipe(mlp(), sw::balance{3, 2}, {}, nullptr);
+          }) == "stagewise::PipeOver: the transport is null; give the pipe one");
+    WirePipe rank0(mlp(), sw::balance{3, 2}, {}, std::make_unique<WireEnd>(wire, 0));
+    CHECK(rank0->processes().runs(0));
+    CHECK_FALSE(rank0->processes().runs(1));
+    // ZB-V runs both stages of a 2-stage pipe on one worker: the wire runs them on two ranks.
+    CHECK(sw::testing::error_of([&] {
+            rank0->train_step(torch::randn({4, 6}), torch::Tensor(), mse,
+                              sw::schedule::zero_bubble_v{});
+          }) ==
+          "stagewise::PipeOver::train_step: the schedule runs the 2 stages on 1 workers but "
+          "the pipe runs them on 2 ranks; pass a schedule that runs each process's stages "
+          "(the transport's processes()) on a worker of their own");
   }
 }

@@ -11,6 +11,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,14 @@ class MailboxTransport {
 
   /// Nothing crosses processes.
   Traffic traffic() const { return {}; }
+
+  /// One process runs every stage.
+  Processes processes() const { return {}; }
+
+  /// One process: its own text is all there is.
+  std::vector<std::string> gather(const std::string& /*what*/, const std::string& mine) {
+    return {mine};
+  }
 
   /// Leaves `message` for the receiver of `key`; never blocks on the receiver.
   void send(const MessageKey& key, Message message) {

@@ -262,7 +262,8 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
 /// action's start and end, in microseconds from the start of the step.
 ///   MailboxTransport mail(plan.stages, plan.micro_batches, skips);
 ///   auto loss = run_programs(stages, plan, step, mail, workers);
-/// (The pipes call it from `detail::PipeOver`, which also rethrows the transport's first error.)
+/// (The pipes call it from `PipeOverImpl`, pipe/pipe_over.hpp, which also rethrows the
+/// transport's first error.)
 template <transport Transport>
 torch::Tensor run_programs(std::vector<std::unique_ptr<StageRuntime>>& stages,
                            const schedule::Plan& plan, TrainStep& step, Transport& mail,

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/processes.hpp"
 #include "stagewise/schedule/comms.hpp"
 #include "stagewise/schedule/plan.hpp"
 
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,10 +50,17 @@ struct Traffic {
   std::int64_t bytes_received = 0;
 };
 
-/// Everything a pipe asks of its transport for a training step (both `stagewise::Pipe` and
-/// `distributed::Pipe` run their steps through `detail::PipeOver<T>`, which asks nothing else):
+/// Everything a pipe asks of its transport. `stagewise::PipeOver<T>` is the pipe over any type
+/// that satisfies it (`stagewise::Pipe` is it over `MailboxTransport`, `distributed::Pipe` over
+/// `C10dTransport`); it asks nothing else, so a new transport is one header and one alias
+/// (docs/distributed.md, "A transport of your own"):
 /// - the messages of the step (`transport`); between processes, `recv` returns nothing only once
 ///   this process aborted, and throws an error naming the other process once that one failed;
+/// - `processes()`: which processes exist and which stages each runs (`Processes`); the pipe
+///   keeps the stages of this process and refuses a schedule that places them otherwise;
+/// - `gather(what, mine)`: every process's `mine` in rank order, once every process has given
+///   its own (every process makes the same calls in the same order; `what` names the call in
+///   errors, e.g. "Pipe::load"); one process: `{mine}`. Saves and loads agree through it;
 /// - `begin_step(plan, routes)` on the caller's thread before any worker runs: the step's plan,
 ///   already verified, and its skip routes (skip i's messages carry index i); a transport between
 ///   processes checks the plan's messages can flow (`schedule::verify_comms`) and may post its
@@ -70,7 +79,10 @@ struct Traffic {
 template <class T>
 concept pipe_transport = transport<T> && requires(T& t, const T& ct, const schedule::Plan& plan,
                                                   const std::vector<schedule::SkipRoute>& routes,
-                                                  const torch::Tensor& value, int from, int index) {
+                                                  const torch::Tensor& value, int from, int index,
+                                                  const std::string& text) {
+  { ct.processes() } -> std::convertible_to<Processes>;
+  { t.gather(text, text) } -> std::same_as<std::vector<std::string>>;
   t.begin_step(plan, routes);
   { t.share(value, from, index) } -> std::same_as<torch::Tensor>;
   t.end_step();

@@ -1,10 +1,9 @@
 #pragma once
 
-#include "stagewise/pipe/detail/pipe_over.hpp"
+#include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
 #include "stagewise/pipe/options.hpp"
+#include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
-#include "stagewise/runtime/c10d/gather_text.hpp"
-#include "stagewise/runtime/c10d/gradient_reducer.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"
 #include "stagewise/runtime/c10d/subgroup.hpp"
@@ -24,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -131,7 +131,7 @@ struct Options {
 /// With `Options().data_parallel(d)` the job runs d replicas of the pipeline, each on its rows of
 /// the global batch (`shard`, `layout`), and every stage's gradients are averaged over its
 /// replicas before train_step returns; see docs/distributed.md, "Pipeline x data parallel".
-class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
+class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGradients> {
  public:
   /// Rendezvouses from the environment (`torchrun`'s MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
   /// LOCAL_RANK) and builds this rank's stages of `seq` split by `b`.
@@ -144,63 +144,12 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
   /// Connection over the caller's own process group and store).
   PipeImpl(runtime::Connection connection, const torch::nn::Sequential& seq, const balance& b,
            PipeOptions options = {}, Options dist = {})
-      : PipeOver("stagewise::distributed::Pipe", std::move(options)),
-        job_(std::move(connection)),
-        connection_(job_),
-        dist_(std::move(dist)) {
-    TORCH_CHECK(!options_.deferred_batch_norm() || dist_.data_parallel() == 1,
-                "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) with "
-                "Options().data_parallel(", dist_.data_parallel(),
-                "): each replica would keep running statistics of its own rows only, and the "
-                "replicas' would drift apart; turn one of them off (plain batch norm, or one "
-                "replica)");
-    auto specs = ::stagewise::detail::partition(
-        ::stagewise::detail::with_deferred_batch_norm(seq, options_), b);
-    const int n = static_cast<int>(specs.size());
-    if (dist_.placement()) {
-      placement_ = dist_.placement()(n);
-    } else {
-      const int v = dist_.virtual_stages();
-      TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
-                  " stages do not split into ", v, " virtual stages per rank; give a balance ",
-                  "with a multiple of ", v, " entries or change Options::virtual_stages");
-      for (int j = 0; j < n; ++j) placement_.push_back(j % (n / v));
-    }
-    workers_ = *std::max_element(placement_.begin(), placement_.end()) + 1;
-    const int d = dist_.data_parallel();
-    if (d == 1) {
-      runtime::check_world_size(job_, n, workers_);
-    } else {
-      TORCH_CHECK(job_.env.world_size == workers_ * d,
-                  "stagewise::distributed::Pipe: the pipe has ", n, " stages on ", workers_,
-                  " ranks per replica and Options::data_parallel(", d, ") replicas, so it runs on ",
-                  workers_ * d, " ranks, but WORLD_SIZE is ", job_.env.world_size, "; start ",
-                  workers_ * d, " ranks (tools/launch -n ", workers_ * d,
-                  "), or change data_parallel, the balance or the virtual stages");
-    }
-    std::vector<std::string> signatures;
-    for (const auto& spec : specs) {
-      signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
-    }
-    // Every rank of every replica speaks the same wire format and built the same model.
-    runtime::check_same_wire(job_, runtime::wire_format(dist_.transport()),
-                             dist_.transport().prefix() + "/wire", dist_.connect().timeout);
-    runtime::check_same_model(job_, signatures, dist_.transport().prefix() + "/model",
-                              dist_.connect().timeout);
-    if (d > 1) join_replicas();
-    build_stages(std::move(specs),
-                 [&](std::size_t j) { return rank_of(static_cast<int>(j)) == pipeline_rank(); });
-    if (d > 1) make_reducers();
-    set_transport(std::make_unique<runtime::C10dTransport>(
-        connection_,
-        [placement = placement_](int stage) { return placement[static_cast<std::size_t>(stage)]; },
-        skips_->stage_routes(), dist_.transport()));
-  }
+      : PipeImpl(prepare(std::move(connection), seq, b, options, dist), options, dist) {}
 
   // train_step (four overloads; every rank calls it), options(), skip_layout() and traffic()
   // (the messages and tensor bytes this rank exchanged with the others since the pipe was built;
-  // messages between this rank's own stages move nothing and are not counted): PipeOver, the
-  // step both pipes share.
+  // messages between this rank's own stages move nothing and are not counted): PipeOverImpl, the
+  // step every pipe shares.
 
   /// This process's rank in the job and the job's number of ranks.
   int rank() const { return job_.env.rank; }
@@ -242,11 +191,7 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
   /// Bytes of gradients this rank all-reduced with the other replicas in the last step (its
   /// stages' gradients, bucket by bucket; 0 with one replica).
   std::int64_t bytes_reduced_last_step() const {
-    std::int64_t bytes = 0;
-    for (const auto& r : reducers_) {
-      if (r) bytes += r->bytes_last_step();
-    }
-    return bytes;
+    return replicas_.bytes_last_step();
   }
 
   /// Which rank runs which stages of which replica, and which ranks give the input and the
@@ -279,139 +224,105 @@ class PipeImpl : public ::stagewise::detail::PipeOver<runtime::C10dTransport> {
   void train(bool on = true) override { torch::nn::Module::train(on); }
 
  private:
-  int process_rank() const override { return rank(); }
-  int process_count() const override { return world_size(); }
-  int process_of(int stage) const override { return replica() * workers_ + rank_of(stage); }
-  bool writes_stage_files() const override { return replica() == 0; }
-  // Through the job's store, under a key of this pipe's (every rank makes the same calls).
-  std::vector<std::string> gather(const std::string& what, const std::string& mine) override {
-    return runtime::gather_text(
-        job_, dist_.transport().prefix() + "/gather/" + std::to_string(++gathers_), mine,
-        dist_.connect().timeout, "stagewise::distributed::Pipe::" + what);
-  }
+  // What the checks before the transport find: this rank's stages' specs, every stage's rank
+  // within a replica, this replica's and this rank's column's groups, and the transport over
+  // this replica's ranks (which owns which rank runs which stage).
+  struct Prepared {
+    std::optional<runtime::Connection> job;
+    std::vector<::stagewise::detail::StageSpec> specs;
+    std::vector<int> placement;
+    int workers = 1;
+    std::optional<runtime::Connection> row;  // this replica's ranks (the job with one replica)
+    std::unique_ptr<runtime::Connection> column;  // data parallel: this stage rank in each replica
+    std::unique_ptr<runtime::C10dTransport> transport;
+  };
 
-  // The schedule must run stage j on rank_of(j), on as many workers as there are ranks.
-  void check_placement(const std::vector<int>& placement, int workers) const override {
-    TORCH_CHECK(workers == workers_, "stagewise::distributed::Pipe::train_step: the schedule runs ",
-                "the ", placement.size(), " stages on ", workers,
-                " workers but the pipe was built for ", workers_,
-                " ranks (Options::virtual_stages ", dist_.virtual_stages(),
-                "); build the pipe with the schedule's stages per rank");
-    for (int j = 0; j < num_stages(); ++j) {
-      TORCH_CHECK(placement[static_cast<std::size_t>(j)] == rank_of(j),
-                  "stagewise::distributed::Pipe::train_step: the schedule runs stage ", j,
-                  " on worker ", placement[static_cast<std::size_t>(j)],
-                  " but the pipe keeps it on rank ", rank_of(j),
-                  "; build the pipe with Options().placed_like(schedule) for a V-shaped schedule, "
-                  "or pass a schedule that places stage j on rank j % ",
-                  workers_);
+  PipeImpl(Prepared p, const PipeOptions& options, const Options& dist)
+      : PipeOverImpl("stagewise::distributed::Pipe", options, std::move(p.transport)),
+        job_(std::move(*p.job)),
+        dist_(dist),
+        workers_(p.workers),
+        placement_(std::move(p.placement)) {
+    set_placement_fix("build the pipe with Options().placed_like(schedule) for a V-shaped "
+                      "schedule or Options().virtual_stages(v) for v stages per rank (now " +
+                      std::to_string(dist_.virtual_stages()) +
+                      "), or pass a schedule that places stage j on rank j % " +
+                      std::to_string(workers_));
+    build_stages(std::move(p.specs));
+    if (p.column) {
+      replicas_ = detail::ReplicaGradients(std::move(*p.column), dist_.data_parallel(), stages_,
+                                           transport_.get(), dist_.reducer(),
+                                           dist_.transport().device(), where_);
     }
   }
 
-  // Data parallel: this rank's replica's group (its pipeline messages), the group of this rank's
-  // counterparts in every replica (the reductions; its rank r is replica r), parameters and
-  // buffers copied from replica 0, and a reducer per local stage with gradients.
-  void join_replicas() {
-    const int d = replicas();
-    const auto& prefix = dist_.transport().prefix();
-    std::vector<int> row, column;
-    for (int p = 0; p < workers_; ++p) row.push_back(replica() * workers_ + p);
-    for (int i = 0; i < d; ++i) column.push_back(i * workers_ + pipeline_rank());
-    connection_ = runtime::subgroup(job_, row, prefix + "/replica" + std::to_string(replica()),
-                                    dist_.connect());
-    column_ = std::make_unique<runtime::Connection>(runtime::subgroup(
-        job_, column, prefix + "/stage_rank" + std::to_string(pipeline_rank()), dist_.connect()));
-    TORCH_CHECK(static_cast<bool>(column_->collectives),
-                "stagewise::distributed::Pipe: the process group has no collectives");
-  }
-
-  void make_reducers() {
-    torch::NoGradGuard no_grad;
-    reducers_.resize(stages_.size());
-    for (std::size_t j = 0; j < stages_.size(); ++j) {
-      if (!stages_[j] || !stages_[j]->spec.module) continue;
-      auto& module = *stages_[j]->spec.module;
-      // Replica 0's parameters and buffers everywhere, so that the replicas start alike.
-      std::vector<at::Tensor> all = module.parameters(/*recurse=*/true);
-      for (const auto& b : module.buffers(/*recurse=*/true)) {
-        if (b.defined()) all.push_back(b);
-      }
-      runtime::broadcast_each(column_->collectives, all, /*root=*/0);
-      std::vector<torch::Tensor> params;
-      std::vector<std::string> names;
-      for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-        if (!p.value().requires_grad()) continue;
-        params.push_back(p.value());
-        names.push_back("stage" + std::to_string(j) + "." + p.key());
-      }
-      if (params.empty()) continue;
-      reducers_[j] = std::make_unique<runtime::GradientReducer>(
-          column_->collectives, std::move(params), std::move(names), dist_.reducer());
+  // Checks the job before anything is built: the options, the ranks' number, their wire formats
+  // and models; then joins the replicas' groups and builds the transport.
+  static Prepared prepare(runtime::Connection job, const torch::nn::Sequential& seq,
+                          const balance& b, const PipeOptions& options, const Options& dist) {
+    TORCH_CHECK(!options.deferred_batch_norm() || dist.data_parallel() == 1,
+                "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) with "
+                "Options().data_parallel(", dist.data_parallel(),
+                "): each replica would keep running statistics of its own rows only, and the "
+                "replicas' would drift apart; turn one of them off (plain batch norm, or one "
+                "replica)");
+    Prepared p;
+    p.specs = ::stagewise::detail::partition(
+        ::stagewise::detail::with_deferred_batch_norm(seq, options), b);
+    const int n = static_cast<int>(p.specs.size());
+    if (dist.placement()) {
+      p.placement = dist.placement()(n);
+    } else {
+      const int v = dist.virtual_stages();
+      TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
+                  " stages do not split into ", v, " virtual stages per rank; give a balance ",
+                  "with a multiple of ", v, " entries or change Options::virtual_stages");
+      for (int j = 0; j < n; ++j) p.placement.push_back(j % (n / v));
     }
-  }
-
-  bool reduces_gradients() const override { return replicas() > 1; }
-
-  // On stage j's worker, after its last backward: its gradients start travelling.
-  void gradients_ready(int j) override {
-    if (auto& r = reducers_[static_cast<std::size_t>(j)]) r->launch();
-  }
-
-  // The replicas' mean loss over their rows (checked equal), then the stages' averaged gradients.
-  torch::Tensor finish_gradients(const torch::Tensor& loss, std::int64_t rows) override {
-    auto wait = [&](const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
-      transport_->wait_collective(w, column_->job_ranks, what);
-    };
-    const double r = static_cast<double>(rows);
-    // On the transport's device: NCCL reduces only GPU tensors (Gloo takes either).
-    auto sums =
-        torch::tensor({loss.detach().to(torch::kCPU, torch::kDouble).item<double>() * r, r, r * r},
-                      torch::kDouble)
-            .to(dist_.transport().device());
-    std::vector<at::Tensor> one{sums};
-    wait(column_->collectives.all_reduce_sum(one), "the replicas' sum of the loss");
-    sums = sums.to(torch::kCPU);
-    const auto* s = sums.data_ptr<double>();
-    const int d = replicas();
-    // d * sum(r^2) == sum(r)^2 exactly when every replica had the same number of rows.
-    TORCH_CHECK(static_cast<double>(d) * s[2] == s[1] * s[1], where_, ": the ", d,
-                " replicas were given different numbers of rows (", s[1], " in all, this replica ",
-                r,
-                "), so averaging their gradients would weight rows unequally; give every replica "
-                "the same number of rows (pipe->shard(global_batch))");
-    for (std::size_t j = 0; j < reducers_.size(); ++j) {
-      if (!reducers_[j]) continue;
-      reducers_[j]->complete([&](const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
-        wait(w, what + " of stage " + std::to_string(j));
-      });
+    p.workers = *std::max_element(p.placement.begin(), p.placement.end()) + 1;
+    const int d = dist.data_parallel();
+    if (d == 1) {
+      runtime::check_world_size(job, n, p.workers);
+    } else {
+      TORCH_CHECK(job.env.world_size == p.workers * d,
+                  "stagewise::distributed::Pipe: the pipe has ", n, " stages on ", p.workers,
+                  " ranks per replica and Options::data_parallel(", d, ") replicas, so it runs on ",
+                  p.workers * d, " ranks, but WORLD_SIZE is ", job.env.world_size, "; start ",
+                  p.workers * d, " ranks (tools/launch -n ", p.workers * d,
+                  "), or change data_parallel, the balance or the virtual stages");
     }
-    return torch::full({}, s[0] / s[1], loss.options());
-  }
-
-  void step_after_reduction(optim::FusedStep* fused) override {
-    for (auto& reducer : reducers_) {
-      if (!reducer) continue;
-      if (fused == nullptr) {
-        reducer->set_after_reduce(nullptr);
-        continue;
-      }
-      std::vector<std::size_t> slot;
-      for (const auto& p : reducer->parameters()) {
-        slot.push_back(fused->index_of(p, "distributed::Pipe::train_step"));
-      }
-      reducer->set_after_reduce(
-          [fused, slot = std::move(slot)](std::size_t i) { fused->step_parameter(slot[i]); });
+    std::vector<std::string> signatures;
+    for (const auto& spec : p.specs) {
+      signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
+    // Every rank of every replica speaks the same wire format and built the same model.
+    runtime::check_same_wire(job, runtime::wire_format(dist.transport()),
+                             dist.transport().prefix() + "/wire", dist.connect().timeout);
+    runtime::check_same_model(job, signatures, dist.transport().prefix() + "/model",
+                              dist.connect().timeout);
+    p.row = job;
+    if (d > 1) {
+      // This replica's group (its pipeline messages) and the group of this rank's counterparts
+      // in every replica (the reductions; its rank r is replica r).
+      const int replica = job.env.rank / p.workers, pipeline_rank = job.env.rank % p.workers;
+      const auto& prefix = dist.transport().prefix();
+      std::vector<int> row, column;
+      for (int q = 0; q < p.workers; ++q) row.push_back(replica * p.workers + q);
+      for (int i = 0; i < d; ++i) column.push_back(i * p.workers + pipeline_rank);
+      p.row = runtime::subgroup(job, row, prefix + "/replica" + std::to_string(replica),
+                                dist.connect());
+      p.column = std::make_unique<runtime::Connection>(runtime::subgroup(
+          job, column, prefix + "/stage_rank" + std::to_string(pipeline_rank), dist.connect()));
+    }
+    p.transport = std::make_unique<runtime::C10dTransport>(*p.row, p.placement, dist.transport());
+    p.job = std::move(job);
+    return p;
   }
 
-  runtime::Connection job_;                      // every rank of every replica
-  runtime::Connection connection_;               // this replica's ranks (the job with one replica)
-  std::unique_ptr<runtime::Connection> column_;  // data parallel: this stage rank in each replica
-  std::vector<std::unique_ptr<runtime::GradientReducer>> reducers_;  // per stage; null: none
+  runtime::Connection job_;  // every rank of every replica
   Options dist_;
   int workers_ = 1;
-  std::vector<int> placement_;  // the rank of every stage
-  std::int64_t gathers_ = 0;    // exchanges through the store so far (saves, loads)
+  std::vector<int> placement_;  // the rank, within a replica, of every stage
 };
 
 /// The distributed pipe's holder: `stagewise::distributed::Pipe pipe(seq, balance, options)`,

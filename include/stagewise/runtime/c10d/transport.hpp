@@ -3,11 +3,13 @@
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/detail/receiver.hpp"
+#include "stagewise/runtime/c10d/gather_text.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
+#include "stagewise/runtime/processes.hpp"
 #include "stagewise/runtime/stream.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/comms.hpp"
@@ -51,16 +53,32 @@ namespace stagewise::runtime {
 /// throws c10::Error naming the failed rank; after this process's own `abort` it returns
 /// nothing.
 ///   auto c = stagewise::runtime::connect(stagewise::runtime::rendezvous_env());
-///   stagewise::runtime::C10dTransport t(c, [](int stage) { return stage % 2; }, {});
+///   stagewise::runtime::C10dTransport t(c, std::vector<int>{0, 1, 0, 1});  // stage j on j % 2
 ///   t.begin_step(2, 8, 0);
 ///   t.send({schedule::TransferKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
 class C10dTransport : private detail::C10dReceiver {
  public:
-  /// `rank_of(stage)` places stages on ranks (the plan's `worker_of`); `routes[i]` is skip i's
-  /// stash and pop stage, so that a skip's receiver knows where it comes from.
+  /// The transport of a pipe whose stage j runs on rank `placement[j]` of `c`'s group (the
+  /// plan's `worker_of`), as `processes()` tells the pipe (`stagewise::PipeOver`).
+  C10dTransport(const Connection& c, std::vector<int> placement, C10dOptions options = {})
+      : C10dTransport(
+            c, [placement](int stage) { return placement.at(static_cast<std::size_t>(stage)); },
+            {}, std::move(options)) {
+    placement_ = std::move(placement);
+    for (const int r : placement_) {
+      TORCH_CHECK(r >= 0 && r < group_.size(), "stagewise::C10dTransport: a stage is placed on ",
+                  "rank ", r, " of a group of ", group_.size(), "; place every stage on a rank of "
+                  "the group");
+    }
+  }
+
+  /// Messages alone, without a pipe: `rank_of(stage)` places stages on ranks; `routes[i]` is
+  /// skip i's stash and pop stage, so that a skip's receiver knows where it comes from
+  /// (begin_step(plan, routes) replaces them).
   C10dTransport(const Connection& c, std::function<int(int)> rank_of,
                 std::vector<schedule::SkipRoute> routes = {}, C10dOptions options = {})
       : detail::C10dReceiver(c, std::move(options)),
+        connection_(c),
         rank_of_(std::move(rank_of)),
         routes_(std::move(routes)) {
     watchdog_ = std::thread([this] { watch(); });
@@ -95,6 +113,25 @@ class C10dTransport : private detail::C10dReceiver {
 
   /// This process's rank.
   int rank() const { return group_.rank(); }
+
+  /// The job's ranks and the job rank of every stage (a pipe keeps this rank's stages). Only a
+  /// transport built with every stage's placement knows them.
+  Processes processes() const {
+    TORCH_CHECK(!placement_.empty(), "stagewise::C10dTransport::processes: this transport was "
+                "built with a rank_of function, which does not say how many stages there are; "
+                "build it with every stage's rank (a std::vector<int>) to run a pipe over it");
+    Processes p{job_rank(rank()), job_size_, {}};
+    for (const int r : placement_) p.stage.push_back(job_rank(r));
+    return p;
+  }
+
+  /// Every rank's `mine` (every rank of the job, in job-rank order), through the job's store
+  /// (`gather_text`); every rank makes the same calls in the same order. `what` names the call
+  /// in errors.
+  std::vector<std::string> gather(const std::string& what, const std::string& mine) {
+    return gather_text(connection_, options_.prefix() + "/gather/" + std::to_string(++gathers_),
+                       mine, options_.timeout(), what);
+  }
 
   /// The messages and tensor bytes this rank sent to and received from other ranks since the
   /// transport was built (each message counted once it is sent, or once it has fully arrived).
@@ -425,6 +462,9 @@ class C10dTransport : private detail::C10dReceiver {
 
   int tag_of(const MessageKey& k) const { return detail::message_tag(k, step_.load()); }
 
+  Connection connection_;   // for gather
+  std::vector<int> placement_;  // every stage's rank; empty: built with a rank_of function
+  std::int64_t gathers_ = 0;    // gather calls so far
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;
   std::atomic<std::int64_t> step_{0};

@@ -1,10 +1,10 @@
 #pragma once
 
 // The one pipe: stages, their skip layout and a transport, and the training step written once.
-// stagewise::PipeImpl is this over a MailboxTransport (every stage in this process);
-// distributed::PipeImpl is this over a C10dTransport (this rank's stages, the rest elsewhere),
-// adding only its rendezvous and rank placement. A new transport (any runtime::pipe_transport)
-// runs under the same step: no pipe code changes.
+// `stagewise::Pipe` is it over a MailboxTransport (every stage in this process);
+// `distributed::Pipe` over a C10dTransport (this rank's stages, the rest elsewhere), with its
+// replicas averaging gradients (`pipe_replicas`). A new transport is one header satisfying
+// `runtime::pipe_transport` and one alias: `using MyPipe = stagewise::PipeOver<MyTransport>;`.
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
@@ -21,7 +21,9 @@
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
+#include "stagewise/pipe/replicas.hpp"
 #include "stagewise/runtime/detail/train_skips.hpp"
+#include "stagewise/runtime/processes.hpp"
 #include "stagewise/runtime/program_executor.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/runtime/stage_signature.hpp"
@@ -33,36 +35,60 @@
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/skip/detail/inspect.hpp"
 #include "stagewise/skip/layout.hpp"
+#include "stagewise/stage/partition.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-namespace stagewise::detail {
+namespace stagewise {
 
+namespace detail {
 // With deferred_batch_norm(true), a copy of `seq` whose batch norms are DeferredBatchNorms
-// sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself. Both pipes build
-// their stages from it.
+// sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself. Every pipe builds
+// its stages from it.
 inline torch::nn::Sequential with_deferred_batch_norm(const torch::nn::Sequential& seq,
                                                       const PipeOptions& options) {
   if (!options.deferred_batch_norm()) return seq;
   return convert_deferred_batch_norm(seq, options.chunks());
 }
+}  // namespace detail
 
-template <runtime::pipe_transport Transport>
-class PipeOver : public PlacedStages {
+/// The pipe over any transport, behind the `PipeOver<Transport>` holder: the stages this process
+/// runs (as `transport->processes()` says), their skip layout, and the training step, saves and
+/// loads every pipe shares. `stagewise::Pipe` is it over `MailboxTransport`, `distributed::Pipe`
+/// over `C10dTransport`; a transport of your own gets the same step, checks, fused step and
+/// saves (docs/distributed.md, "A transport of your own").
+///   auto pipe = stagewise::PipeOver<MyTransport>(seq, sw::balance{3, 2},
+///   sw::PipeOptions().chunks(4),
+///                                                std::make_unique<MyTransport>(...));
+///   pipe->train_step(x, y, loss_fn, sw::schedule::one_f_one_b{});  // on every process
+template <runtime::pipe_transport Transport, pipe_replicas Replicas = OneReplica>
+class PipeOverImpl : public detail::PlacedStages {
  public:
+  /// Builds the stages of `seq` split by `b` that `transport` runs in this process
+  /// (`processes()`), on the devices of `options`; the others are another process's. Every
+  /// process builds the same model and balance.
+  PipeOverImpl(const torch::nn::Sequential& seq, const balance& b, PipeOptions options,
+               std::unique_ptr<Transport> transport)
+      : PipeOverImpl("stagewise::PipeOver", std::move(options), std::move(transport)) {
+    build_stages(detail::partition(detail::with_deferred_batch_norm(seq, options_), b));
+  }
+
   /// One training step driven by `sched` (GPipe's fill-drain by default; also
   /// `schedule::one_f_one_b`, `interleaved_one_f_one_b`, `zero_bubble_h1`, or your own coroutine):
   /// returns the loss of the whole mini-batch and leaves the parameters' gradients accumulated, as
@@ -106,7 +132,7 @@ class PipeOver : public PlacedStages {
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
-    if (reduces_gradients()) {
+    if (replicas_.many()) {
       if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
         return with_reduced_fused_step(fused, [&] {
           return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
@@ -118,7 +144,7 @@ class PipeOver : public PlacedStages {
                     "or call train_step without it and step your optimizer after");
       }
     }
-    return with_fused_step(fused, [&](const std::function<void(int)>& before) {
+    return detail::with_fused_step(fused, [&](const std::function<void(int)>& before) {
       return run_step(input, target, std::move(loss_fn), sched, before, timeline);
     });
   }
@@ -134,7 +160,7 @@ class PipeOver : public PlacedStages {
   /// The options the pipe was built with.
   const PipeOptions& options() const { return options_; }
   /// Which stage stashes and which pops each skip connection (verified at construction).
-  const SkipLayout& skip_layout() const { return *skips_; }
+  const detail::SkipLayout& skip_layout() const { return *skips_; }
   /// The messages and tensor bytes this process exchanged with other processes since the pipe
   /// was built (0 in one process).
   ///   const auto before = pipe->traffic();
@@ -177,26 +203,39 @@ class PipeOver : public PlacedStages {
   /// saved optimizer state unread (e.g. to evaluate a saved model).
   std::int64_t load(const std::string& dir) { return saves().load(dir, nullptr); }
 
+  /// The transport the pipe's steps run over.
+  Transport& transport() { return *transport_; }
+  const Transport& transport() const { return *transport_; }
+  /// Which processes exist and which stages each runs (the transport's).
+  runtime::Processes processes() const { return transport_->processes(); }
+
  protected:
-  /// `who` opens every error ("stagewise::Pipe").
-  PipeOver(std::string who, PipeOptions options)
+  /// `who` opens every error ("stagewise::Pipe"); `transport` is the one every step runs over.
+  PipeOverImpl(std::string who, PipeOptions options, std::unique_ptr<Transport> transport)
       : PlacedStages(who),
         who_(std::move(who)),
         where_(who_ + "::train_step"),
-        options_(std::move(options)) {}
+        options_(std::move(options)),
+        transport_(std::move(transport)) {
+    TORCH_CHECK(transport_ != nullptr, who_, ": the transport is null; give the pipe one");
+  }
 
-  /// Verifies the skips of `specs`' modules (every problem in one message), places the stages for
-  /// which `local(j)` holds on their devices and keeps them (registered as "stage<j>"); the others
-  /// stay null: another process runs them.
-  template <class Local>
-  void build_stages(std::vector<StageSpec> specs, Local local) {
+  /// Verifies the skips of `specs`' modules (every problem in one message), places the stages
+  /// this process runs (the transport's `processes()`) on their devices and keeps them
+  /// (registered as "stage<j>"); the others stay null: another process runs them.
+  void build_stages(std::vector<detail::StageSpec> specs) {
+    const auto here = transport_->processes();
+    TORCH_CHECK(here.stage.empty() || here.stage.size() == specs.size(), who_,
+                ": the transport places ", here.stage.size(), " stages but the balance makes ",
+                specs.size(), "; build the transport for the pipe's stages");
+    auto local = [&](std::size_t j) { return here.runs(j); };
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     for (const auto& spec : specs) {
       modules.push_back(spec.module);
       signatures_.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
-    skips_ = std::make_shared<const SkipLayout>(skip_layout_of(modules));
-    const auto devices = place_stage_modules(specs, options_.devices(), who_, local);
+    skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
+    const auto devices = detail::place_stage_modules(specs, options_.devices(), who_, local);
     for (std::size_t j = 0; j < specs.size(); ++j) {
       if (!local(j)) {
         stages_.push_back(nullptr);  // another process's: its parameters are dropped here
@@ -210,29 +249,9 @@ class PipeOver : public PlacedStages {
     }
   }
 
-  /// The transport every step runs over (set once, after build_stages).
-  void set_transport(std::unique_ptr<Transport> transport) { transport_ = std::move(transport); }
-
-  /// Refuses a schedule that places the pipe's stages on `workers` workers as `placement` says
-  /// (stage j on worker placement[j]) where this pipe cannot run them. In one process: at most
-  /// one worker per stage.
-  virtual void check_placement(const std::vector<int>& placement, int workers) const {
-    TORCH_CHECK(workers <= static_cast<int>(placement.size()), who_,
-                "::train_step: the schedule plans ", workers, " workers for ", placement.size(),
-                " stages; a pipe runs at most one worker per stage");
-  }
-
-  /// This process's rank, the number of processes and every stage's process (one process: 0, 1,
-  /// all 0), for saves.
-  virtual int process_rank() const { return 0; }
-  virtual int process_count() const { return 1; }
-  virtual int process_of(int /*stage*/) const { return 0; }
-
-  /// Every process's `mine` in rank order, once every process has given its own under the same
-  /// `what` (called by every process in the same order). One process: {mine}.
-  virtual std::vector<std::string> gather(const std::string& /*what*/, const std::string& mine) {
-    return {mine};
-  }
+  /// How to build a pipe that runs a schedule placed otherwise, ending the error that refuses it
+  /// (e.g. distributed::Pipe's Options().placed_like(schedule)).
+  void set_placement_fix(std::string fix) { placement_fix_ = std::move(fix); }
 
   /// Each DeferredBatchNorm of this process's stages commits its running statistics after the
   /// mini-batch's last micro-batch, however many the batch splits into (every step, and the
@@ -242,47 +261,69 @@ class PipeOver : public PlacedStages {
   }
   bool has_deferred_batch_norms() const { return !deferred_.empty(); }
 
-  /// Data parallelism: whether this pipe averages its stages' gradients with other replicas of
-  /// it. Then `gradients_ready(j)` is called on stage j's worker once the stage's gradients of
-  /// the step are final (to start reducing them), and `finish_gradients(loss, rows)` on
-  /// every process after the loss arrived (this replica's mean loss over its `rows` rows), before
-  /// the step ends: it completes the reductions and returns the loss to return (the global mean).
-  /// A failure there fails the step on every process.
-  virtual bool reduces_gradients() const { return false; }
-  virtual void gradients_ready(int /*stage*/) {}
-  virtual torch::Tensor finish_gradients(const torch::Tensor& loss, std::int64_t /*rows*/) {
-    return loss;
-  }
-  /// Makes the reductions step `fused`'s parameters as their averages are written (null: not).
-  virtual void step_after_reduction(optim::FusedStep* /*fused*/) {}
-  /// Whether this process writes its stages' files in a save (data-parallel replicas hold the
-  /// same stages: only the first replica writes them, every replica reads them).
-  virtual bool writes_stage_files() const { return true; }
-
   std::string who_;
   std::string where_;  // "<who>::train_step", opening train_step's errors
   PipeOptions options_;
-  std::shared_ptr<const SkipLayout> skips_;
+  std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
   std::vector<std::string> signatures_;                         // of every stage, for saves
+  Replicas replicas_;                                           // data parallelism, if any
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
  private:
   // Finds the DeferredBatchNorm layers of stage `j`; with deferred_batch_norm(true), a plain batch
   // norm left in it (a typed stage, or one hidden in a custom module) is an error.
   void collect_deferred_batch_norms(const torch::nn::Module& module, std::size_t j) {
-    if (options_.deferred_batch_norm()) refuse_hidden_batch_norm(module, "stage" + std::to_string(j));
+    if (options_.deferred_batch_norm())
+      detail::refuse_hidden_batch_norm(module, "stage" + std::to_string(j));
     for (const auto& m : module.modules()) {
       if (auto bn = std::dynamic_pointer_cast<DeferredBatchNormImpl>(m)) deferred_.push_back(bn);
     }
   }
 
+  // Refuses a schedule that places the stages on `workers` workers as `placement` says (stage j
+  // on worker placement[j]) where this pipe cannot run them: in one process, at most one worker
+  // per stage; between processes, one worker per process, running exactly its stages.
+  void check_placement(const std::vector<int>& placement, int workers) const {
+    const auto here = transport_->processes();
+    const int n = static_cast<int>(placement.size());
+    if (here.stage.empty()) {
+      TORCH_CHECK(workers <= n, where_, ": the schedule plans ", workers, " workers for ", n,
+                  " stages; a pipe runs at most one worker per stage");
+      return;
+    }
+    // The pipe's worker of each process: processes in rank order.
+    std::vector<int> ranks = here.stage;
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    const int processes = static_cast<int>(ranks.size());
+    const std::string fix =
+        "; " + (placement_fix_.empty() ? std::string("pass a schedule that runs each process's "
+                                                     "stages (the transport's processes()) on a "
+                                                     "worker of their own")
+                                       : placement_fix_);
+    TORCH_CHECK(workers == processes, where_, ": the schedule runs the ", n, " stages on ", workers,
+                " workers but the pipe runs them on ", processes, " ranks", fix);
+    for (int j = 0; j < n; ++j) {
+      const int rank = here.stage[static_cast<std::size_t>(j)];
+      const int worker =
+          static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank) - ranks.begin());
+      TORCH_CHECK(placement[static_cast<std::size_t>(j)] == worker, where_,
+                  ": the schedule runs stage ", j, " on worker ",
+                  placement[static_cast<std::size_t>(j)], " but the pipe keeps it on rank ", rank,
+                  fix);
+    }
+  }
+
   std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
-  SavedPlan plan_here() const {
-    SavedPlan p;
-    p.processes = process_count();
+  std::string placement_fix_;
+
+  detail::SavedPlan plan_here() const {
+    const auto here = transport_->processes();
+    detail::SavedPlan p;
+    p.processes = here.count;
     for (std::size_t j = 0; j < stages_.size(); ++j) {
-      p.placement.push_back(process_of(static_cast<int>(j)));
+      p.placement.push_back(here.of(j));
       p.devices.push_back(stages_[j] ? stages_[j]->device.str() : "");
     }
     p.signatures = signatures_;
@@ -290,15 +331,16 @@ class PipeOver : public PlacedStages {
   }
 
   // What save and load read of this pipe (pipe_saves.hpp).
-  PipeSaves saves() {
-    return {
-        who_,
-        stages_,
-        signatures_,
-        process_rank(),
-        writes_stage_files(),
-        plan_here(),
-        [this](const std::string& what, const std::string& mine) { return gather(what, mine); }};
+  detail::PipeSaves saves() {
+    return {who_,
+            stages_,
+            signatures_,
+            transport_->processes().rank,
+            replicas_.writes_stage_files(),
+            plan_here(),
+            [this](const std::string& what, const std::string& mine) {
+              return transport_->gather(who_ + "::" + what, mine);
+            }};
   }
 
   // A fused step on a data-parallel pipe: the fused step's hooks are off during the step (they
@@ -309,13 +351,13 @@ class PipeOver : public PlacedStages {
     const bool attached = fused.attached();
     if (attached) fused.detach();
     auto restore = [&] {
-      step_after_reduction(nullptr);
+      replicas_.step_after_reduction(nullptr);
       if (attached) fused.attach();
       fused.reset_step();
     };
     torch::Tensor loss;
     try {
-      step_after_reduction(&fused);
+      replicas_.step_after_reduction(&fused);
       loss = run();
     } catch (...) {
       restore();
@@ -323,6 +365,35 @@ class PipeOver : public PlacedStages {
     }
     restore();
     return loss;
+  }
+
+  // The step's loss on every process, after the step's work: the last stage's process holds it.
+  // With replicas, it travels with its dtype and the replica's rows, which the replicas' mean
+  // weighs, and the replicas finish their reductions.
+  torch::Tensor share_loss(torch::Tensor loss, const Batch& target, bool last, int from) {
+    const std::string gone =
+        ": this process stopped before the step's loss arrived (it "
+        "aborted); build a new pipe";
+    if (!replicas_.many()) {
+      loss = transport_->share(loss, from, /*index=*/1);
+      TORCH_CHECK(loss.defined(), where_, gone);
+      return loss;
+    }
+    torch::Tensor value;
+    if (last) {
+      const auto rows = static_cast<double>(target[0].size(0));
+      const auto dtype = static_cast<double>(static_cast<int>(loss.scalar_type()));
+      value =
+          torch::stack({loss.detach().to(torch::kCPU, torch::kDouble).reshape({}),
+                        torch::tensor(rows, torch::kDouble), torch::tensor(dtype, torch::kDouble)});
+    }
+    const torch::Tensor shared = transport_->share(value, from, /*index=*/1);
+    TORCH_CHECK(shared.defined(), where_, gone);
+    if (!last) {
+      const auto dtype = static_cast<c10::ScalarType>(shared[2].item<double>());
+      loss = shared[0].to(dtype);
+    }
+    return replicas_.finish(loss, static_cast<std::int64_t>(shared[1].item<double>()));
   }
 
   template <class Schedule>
@@ -338,7 +409,7 @@ class PipeOver : public PlacedStages {
     const auto placement = schedule::placement_of(sched, n);
     check_placement(placement, schedule::workers_of(sched, n));
     const bool first = stages_.front() != nullptr, last = stages_.back() != nullptr;
-    check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
+    detail::check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
     runtime::TrainStep step;
     if (first) step.inputs = scatter(input, options_.chunks());
     if (last) step.targets = scatter(target, options_.chunks());
@@ -356,19 +427,19 @@ class PipeOver : public PlacedStages {
                 step.targets.size(), "; give them the same number of rows");
     if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
     if (last) {
-      step.weights = row_weights(step.targets);
+      step.weights = detail::row_weights(step.targets);
     } else {
       step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
       step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
     }
     step.loss_fn = std::move(loss_fn);
-    if (reduces_gradients()) step.gradients_ready = [this](int j) { gradients_ready(j); };
+    if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
     step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
-    if (reduces_gradients()) {
+    if (replicas_.many()) {
       if (auto problem = schedule::check_reductions(plan)) TORCH_CHECK(false, *problem);
     }
     if (!skips_->empty()) {
@@ -402,31 +473,7 @@ class PipeOver : public PlacedStages {
     try {
       // The last stage's process has the loss; every process returns it, and only once every
       // process finished the step (a failure anywhere fails the step everywhere).
-      if (reduces_gradients()) {
-        // The loss with its dtype and the replica's rows, which the replicas' mean weighs.
-        torch::Tensor value;
-        if (last) {
-          const auto rows = static_cast<double>(target[0].size(0));
-          const auto dtype = static_cast<double>(static_cast<int>(loss.scalar_type()));
-          value = torch::stack({loss.detach().to(torch::kCPU, torch::kDouble).reshape({}),
-                                torch::tensor(rows, torch::kDouble),
-                                torch::tensor(dtype, torch::kDouble)});
-        }
-        const torch::Tensor shared = transport_->share(value, placement.back(), /*index=*/1);
-        TORCH_CHECK(shared.defined(), where,
-                    ": this process stopped before the step's loss arrived "
-                    "(it aborted); build a new pipe");
-        if (!last) {
-          const auto dtype = static_cast<c10::ScalarType>(shared[2].item<double>());
-          loss = shared[0].to(dtype);
-        }
-        loss = finish_gradients(loss, static_cast<std::int64_t>(shared[1].item<double>()));
-      } else {
-        loss = transport_->share(loss, placement.back(), /*index=*/1);
-        TORCH_CHECK(loss.defined(), where,
-                    ": this process stopped before the step's loss arrived "
-                    "(it aborted); build a new pipe");
-      }
+      loss = share_loss(loss, target, last, placement.back());
       transport_->end_step();
     } catch (...) {
       transport_->abort(std::current_exception());  // the others stop too
@@ -436,4 +483,22 @@ class PipeOver : public PlacedStages {
   }
 };
 
-}  // namespace stagewise::detail
+/// A pipe over a transport of your own (any `runtime::pipe_transport`), a module holder like
+/// `stagewise::Pipe`: `pipe->train_step(...)`, `pipe->parameters()` (this process's stages),
+/// `pipe->save(...)`. A new transport is one header and this alias:
+///   using WirePipe = stagewise::PipeOver<WireEnd>;
+///   WirePipe pipe(seq, sw::balance{3, 2}, sw::PipeOptions().chunks(4),
+///                 std::make_unique<WireEnd>(wire, rank));
+template <runtime::pipe_transport Transport>
+class PipeOver : public torch::nn::ModuleHolder<PipeOverImpl<Transport>> {
+ public:
+  /// An empty holder, to assign later.
+  PipeOver(std::nullptr_t) : torch::nn::ModuleHolder<PipeOverImpl<Transport>>(nullptr) {}  // NOLINT
+  /// Builds this process's stages of `seq` split by `b` over `transport` (see PipeOverImpl).
+  PipeOver(const torch::nn::Sequential& seq, const balance& b, PipeOptions options,
+           std::unique_ptr<Transport> transport)
+      : torch::nn::ModuleHolder<PipeOverImpl<Transport>>(std::make_shared<PipeOverImpl<Transport>>(
+            seq, b, std::move(options), std::move(transport))) {}
+};
+
+}  // namespace stagewise

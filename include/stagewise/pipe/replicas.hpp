@@ -1,0 +1,48 @@
+#pragma once
+
+#include "stagewise/optim/fused_step.hpp"
+
+#include <torch/types.h>
+
+#include <concepts>
+#include <cstdint>
+
+namespace stagewise {
+
+/// Data parallelism as a pipe's step sees it (`PipeOver<Transport, Replicas>`): whether replicas
+/// of the pipeline average their gradients, and the three points of a step where they do.
+/// `OneReplica`, the default, does nothing; `distributed::Pipe` with `Options().data_parallel(d)`
+/// averages over d replicas (pipe/distributed/detail/replica_gradients.hpp).
+/// - `many()`: more than one replica; then the step shares the loss with the rows it averages,
+///   and a fused step must be an `optim::FusedStep` (it steps on the averaged gradients);
+/// - `gradients_ready(j)`: on stage j's worker, once the stage's gradients of the step are final
+///   (to start reducing them);
+/// - `finish(loss, rows)`: on every process after the loss arrived (this replica's mean loss over
+///   its `rows` rows): completes the reductions and returns the loss to return (the global mean);
+///   a failure there fails the step on every process;
+/// - `step_after_reduction(fused)`: the reductions step `fused`'s parameters as their averages are
+///   written (null: they stop doing so);
+/// - `writes_stage_files()`: whether this process writes its stages' files in a save (replicas
+///   hold the same stages: the first writes them, every replica reads them).
+template <class R>
+concept pipe_replicas = requires(R& r, const R& cr, int stage, const torch::Tensor& loss,
+                                 std::int64_t rows, optim::FusedStep* fused) {
+  { cr.many() } -> std::same_as<bool>;
+  r.gradients_ready(stage);
+  { r.finish(loss, rows) } -> std::same_as<torch::Tensor>;
+  r.step_after_reduction(fused);
+  { cr.writes_stage_files() } -> std::same_as<bool>;
+};
+
+/// One replica: nothing to average.
+struct OneReplica {
+  bool many() const { return false; }
+  void gradients_ready(int /*stage*/) {}
+  torch::Tensor finish(const torch::Tensor& loss, std::int64_t /*rows*/) { return loss; }
+  void step_after_reduction(optim::FusedStep* /*fused*/) {}
+  bool writes_stage_files() const { return true; }
+};
+
+static_assert(pipe_replicas<OneReplica>);
+
+}  // namespace stagewise
