@@ -387,7 +387,7 @@ std::string expected_cell(const Job& job) {
   return "(none)";
 }
 
-// The library's failure texts today (runtime/c10d/transport.hpp, detail/failure.hpp).
+// The library's failure texts today (runtime/c10d/transport.hpp, detail/failure_watch.hpp).
 std::string failed_text(int failing, const std::string& what, int rank) {
   return "stagewise: rank " + std::to_string(failing) + " failed: " + what + ". Rank " +
          std::to_string(rank) + " stops too.";

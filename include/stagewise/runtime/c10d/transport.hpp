@@ -1,8 +1,11 @@
 #pragma once
 
 #include "stagewise/core/error_context.hpp"
+#include "stagewise/runtime/c10d/detail/failure_watch.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/detail/link.hpp"
 #include "stagewise/runtime/c10d/detail/receiver.hpp"
+#include "stagewise/runtime/c10d/detail/sender.hpp"
 #include "stagewise/runtime/c10d/gather_text.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
@@ -46,6 +49,10 @@ namespace stagewise::runtime {
 /// (detail/header.hpp, detail/arrival.hpp); ranks compare their wire formats at start-up
 /// (`check_same_wire`, which distributed::Pipe runs).
 ///
+/// It is three parts, each with its own state and lock: a sender (detail/sender.hpp), a receiver
+/// (detail/receiver.hpp) and a failure watch (detail/failure_watch.hpp), which stops the other
+/// two and the step's in-process mailbox when the job fails.
+///
 /// Failures end the whole job, boundedly: a rank that calls `abort(e)` writes its error to the
 /// store, where every other rank looks every `poll`; a rank whose connection closes (killed,
 /// crashed) is named by the ranks that talk to it, which write that to the store too; a
@@ -56,18 +63,20 @@ namespace stagewise::runtime {
 ///   stagewise::runtime::C10dTransport t(c, std::vector<int>{0, 1, 0, 1});  // stage j on j % 2
 ///   t.begin_step(2, 8, 0);
 ///   t.send({schedule::TransferKind::activation, 1, 0}, {{x}});  // to stage 1, on rank 1
-class C10dTransport : private detail::C10dReceiver {
+class C10dTransport {
  public:
   /// The transport of a pipe whose stage j runs on rank `placement[j]` of `c`'s group (the
   /// plan's `worker_of`), as `processes()` tells the pipe (`stagewise::PipeOver`).
   C10dTransport(const Connection& c, std::vector<int> placement, C10dOptions options = {})
       : C10dTransport(
-            c, [placement](int stage) { return placement.at(static_cast<std::size_t>(stage)); },
-            {}, std::move(options)) {
+            c, [placement](int stage) { return placement.at(static_cast<std::size_t>(stage)); }, {},
+            std::move(options)) {
     placement_ = std::move(placement);
     for (const int r : placement_) {
-      TORCH_CHECK(r >= 0 && r < group_.size(), "stagewise::C10dTransport: a stage is placed on ",
-                  "rank ", r, " of a group of ", group_.size(), "; place every stage on a rank of "
+      TORCH_CHECK(r >= 0 && r < link_.group.size(),
+                  "stagewise::C10dTransport: a stage is placed on ", "rank ", r, " of a group of ",
+                  link_.group.size(),
+                  "; place every stage on a rank of "
                   "the group");
     }
   }
@@ -77,13 +86,24 @@ class C10dTransport : private detail::C10dReceiver {
   /// (begin_step(plan, routes) replaces them).
   C10dTransport(const Connection& c, std::function<int(int)> rank_of,
                 std::vector<schedule::SkipRoute> routes = {}, C10dOptions options = {})
-      : detail::C10dReceiver(c, std::move(options)),
+      : options_(std::move(options)),
         connection_(c),
+        link_(c),
+        watch_(c, options_, link_),
+        sender_(link_, watch_),
+        receiver_(link_, watch_, options_),
         rank_of_(std::move(rank_of)),
         routes_(std::move(routes)) {
-    watchdog_ = std::thread([this] { watch(); });
-    reaper_ = std::thread([this] { reap(); });
-    receiver_ = std::thread([this] { receive_ahead(); });
+    // A failure, an abort here or closing stops the sender and the receiver; a failure or an
+    // abort also fails the step's mailbox with its error.
+    watch_.start([this] { return receiver_.overdue(); },
+                 [this](const std::exception_ptr& cause) {
+                   sender_.stop();
+                   receiver_.stop();
+                   if (cause) abort_local(cause);
+                 });
+    sender_.start();
+    receiver_.start();
   }
 
   C10dTransport(const C10dTransport&) = delete;
@@ -92,36 +112,25 @@ class C10dTransport : private detail::C10dReceiver {
   /// Waits (at most `timeout`) for this rank's sends to be received, then stops. After a failure,
   /// the rank that serves the store first waits (boundedly) for the others to read its cause.
   ~C10dTransport() {
-    bool failed = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      failed = failure_ || aborted_here_;
-    }
-    if (failed) linger();
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      idle_.wait_for(lock, options_.timeout(), [&] { return sends_.empty() && !sending_; });
-      closing_ = true;
-      stopped_ = true;
-      abort_works_locked();
-    }
-    wake_all();
-    reaper_.join();
-    watchdog_.join();
-    receiver_.join();
+    if (watch_.failed_or_aborted()) watch_.linger();
+    sender_.drain(options_.timeout());
+    watch_.close();  // stops the sender and the receiver too
+    sender_.close();
+    receiver_.close();
   }
 
   /// This process's rank.
-  int rank() const { return group_.rank(); }
+  int rank() const { return link_.rank(); }
 
   /// The job's ranks and the job rank of every stage (a pipe keeps this rank's stages). Only a
   /// transport built with every stage's placement knows them.
   Processes processes() const {
-    TORCH_CHECK(!placement_.empty(), "stagewise::C10dTransport::processes: this transport was "
+    TORCH_CHECK(!placement_.empty(),
+                "stagewise::C10dTransport::processes: this transport was "
                 "built with a rank_of function, which does not say how many stages there are; "
                 "build it with every stage's rank (a std::vector<int>) to run a pipe over it");
-    Processes p{job_rank(rank()), job_size_, {}};
-    for (const int r : placement_) p.stage.push_back(job_rank(r));
+    Processes p{link_.job_rank(rank()), connection_.job_world(), {}};
+    for (const int r : placement_) p.stage.push_back(link_.job_rank(r));
     return p;
   }
 
@@ -136,8 +145,8 @@ class C10dTransport : private detail::C10dReceiver {
   /// The messages and tensor bytes this rank sent to and received from other ranks since the
   /// transport was built (each message counted once it is sent, or once it has fully arrived).
   Traffic traffic() const {
-    return {messages_sent_.load(), bytes_sent_.load(), messages_received_.load(),
-            bytes_received_.load()};
+    return {messages_sent_.load(), bytes_sent_.load(), receiver_.messages_received(),
+            receiver_.bytes_received()};
   }
 
   /// Starts a training step of `plan` (a `pipe_transport`'s begin_step): checks that the plan's
@@ -158,9 +167,11 @@ class C10dTransport : private detail::C10dReceiver {
     if (begun_) ++step_;
     begun_ = true;
     auto local = std::make_unique<MailboxTransport>(stages, micro_batches, skips);
-    replies_.clear();
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopped_) local->abort(failure_);
+    receiver_.begin_step();
+    // Under the mailbox's lock: a failure that stops the transport now aborts this mailbox,
+    // either here or in abort_local.
+    std::lock_guard<std::mutex> lock(local_mutex_);
+    if (watch_.stopped()) local->abort(watch_.failure());
     local_ = std::move(local);
   }
 
@@ -175,32 +186,16 @@ class C10dTransport : private detail::C10dReceiver {
   ///   t.expect({{TransferKind::activation, 1, 0}, {TransferKind::gradient, 0, 0}});
   void expect(const std::vector<MessageKey>& keys) {
     if (!options_.device().is_cpu()) return;
-    rethrow_failure();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopped_) return;  // aborted here: nothing more is received
-    }
+    watch_.rethrow_failure();
+    if (watch_.stopped()) return;  // aborted here: nothing more is received
     for (const auto& k : keys) {
       const int from = source_stage(k);
       TORCH_CHECK(from >= 0, "stagewise::C10dTransport::expect: ", detail::describe(k),
                   " has no sending stage (stage 0 receives no activation)");
       const int src = rank_of_(from);
       if (src == rank()) continue;
-      Ahead a{k, src, tag_of(k), first_part(), 0};
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        TORCH_CHECK(arrivals_.find(k) == arrivals_.end(),
-                    "stagewise::C10dTransport::expect: ", detail::describe(k),
-                    " is expected twice in one step");
-      }
-      auto id = post(a.header, src, a.tag, k, std::chrono::steady_clock::time_point::max());
-      if (!id) return;  // aborted here
-      a.id = *id;
-      std::lock_guard<std::mutex> lock(mutex_);
-      arrivals_.emplace(k, Arrival{});
-      ahead_.push_back(std::move(a));
+      if (!receiver_.expect(k, src, tag_of(k))) return;  // aborted here
     }
-    expected_.notify_one();
   }
 
   /// Sends `m` to stage `k.stage`; returns once the sends are started (never waits for the
@@ -220,9 +215,9 @@ class C10dTransport : private detail::C10dReceiver {
     const int src = rank_of_(source_stage(k));
     if (src == rank()) return local().recv(k);
     bool expected = false;
-    auto ahead = take_ahead(k, src, expected);
+    auto ahead = receiver_.take_ahead(k, src, expected);
     if (expected) return ahead;
-    return receive_from(src, tag_of(k), k);
+    return receiver_.receive_message(src, tag_of(k), k);
   }
 
   /// Gives every rank a small value of the step that one rank holds: `index` 0 is the number of
@@ -236,24 +231,24 @@ class C10dTransport : private detail::C10dReceiver {
     const MessageKey k = detail::step_value_key(index);
     const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
     if (from == rank()) {
-      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", job_rank(rank()),
+      TORCH_CHECK(value.defined(), "stagewise::C10dTransport::share: rank ", link_.job_rank(rank()),
                   " holds ", detail::describe(k), " but passed an undefined tensor");
-      for (int r = 0; r < group_.size(); ++r) {
+      for (int r = 0; r < link_.group.size(); ++r) {
         if (r != rank()) send_to(r, tag, k, Message{{value.detach()}, true}, /*counted=*/false);
       }
       return value;
     }
-    auto m = receive_from(from, tag, k, /*counted=*/false);
+    auto m = receiver_.receive_message(from, tag, k, /*counted=*/false);
     if (!m) return {};
     TORCH_CHECK(m->tensors.size() == 1 && m->tensors[0].defined(),
-                "stagewise: ", detail::describe(k), " from rank ", job_rank(from),
+                "stagewise: ", detail::describe(k), " from rank ", link_.job_rank(from),
                 " is garbled; every rank must run the same program");
     return copy_to(m->tensors[0], torch::kCPU);
   }
 
   /// The first error this process gave `abort` in the current step (null if none).
   std::exception_ptr error() const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(local_mutex_);
     return local_ ? local_->error() : nullptr;
   }
 
@@ -265,13 +260,13 @@ class C10dTransport : private detail::C10dReceiver {
   void end_step() {
     const MessageKey k = detail::step_value_key(detail::kStepDoneIndex);
     const int tag = kValueTags + static_cast<int>(shared_++ % kValueTagCount);
-    for (int r = 0; r < group_.size(); ++r) {
+    for (int r = 0; r < link_.group.size(); ++r) {
       if (r != rank()) send_to(r, tag, k, Message{{}, true}, /*counted=*/false);
     }
-    for (int r = 0; r < group_.size(); ++r) {
+    for (int r = 0; r < link_.group.size(); ++r) {
       if (r == rank()) continue;
-      TORCH_CHECK(receive_from(r, tag, k, /*counted=*/false).has_value(),
-                  "stagewise::C10dTransport::end_step: rank ", job_rank(rank()),
+      TORCH_CHECK(receiver_.receive_message(r, tag, k, /*counted=*/false).has_value(),
+                  "stagewise::C10dTransport::end_step: rank ", link_.job_rank(rank()),
                   " aborted before the step ended");
     }
   }
@@ -286,7 +281,7 @@ class C10dTransport : private detail::C10dReceiver {
   ///   transport.wait_collective(work, {1, 3}, "the loss's all-reduce");
   void wait_collective(const c10::intrusive_ptr<c10d::Work>& work, const std::vector<int>& members,
                        const std::string& what) {
-    const int me = job_rank(rank());
+    const int me = link_.job_rank(rank());
     std::vector<int> others;
     for (const int r : members) {
       if (r != me) others.push_back(r);
@@ -298,16 +293,16 @@ class C10dTransport : private detail::C10dReceiver {
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout();
     auto pause = std::chrono::microseconds(20);
     while (!work->isCompleted()) {
-      rethrow_failure();
-      TORCH_CHECK(!aborted_here(), "stagewise::C10dTransport::wait_collective: rank ", me,
+      watch_.rethrow_failure();
+      TORCH_CHECK(!watch_.aborted_here(), "stagewise::C10dTransport::wait_collective: rank ", me,
                   " aborted while waiting for ", what);
       if (std::chrono::steady_clock::now() > deadline) {
-        publish_and_fail("rank " + std::to_string(me) + " waited more than " +
-                         std::to_string(options_.timeout().count()) + " ms for " + what +
-                         " with rank" + (others.size() == 1 ? " " : "s ") + names +
-                         "; that rank is stuck or slower than the timeout (raise "
-                         "C10dOptions::timeout if it is just slow)");
-        rethrow_failure();
+        watch_.publish_and_fail("rank " + std::to_string(me) + " waited more than " +
+                                std::to_string(options_.timeout().count()) + " ms for " + what +
+                                " with rank" + (others.size() == 1 ? " " : "s ") + names +
+                                "; that rank is stuck or slower than the timeout (raise "
+                                "C10dOptions::timeout if it is just slow)");
+        watch_.rethrow_failure();
       }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(1000));
@@ -315,16 +310,16 @@ class C10dTransport : private detail::C10dReceiver {
     try {
       work->wait();
     } catch (const std::exception& e) {
-      rethrow_failure();
-      rethrow_published_soon();  // a member that failed said why before it exited
-      if (others.size() == 1) acknowledge_job_rank(others.front());  // it will never read it
-      publish_and_fail((others.size() == 1 ? "rank " : "one of ranks ") + names +
-                       " is gone: its connection closed while rank " + std::to_string(me) +
-                       " waited for " + what +
-                       " with it; it crashed, was killed, or exited early (see its output). "
-                       "Transport error: " +
-                       detail::what_of(e));
-      rethrow_failure();
+      watch_.rethrow_failure();
+      watch_.rethrow_published_soon();  // a member that failed said why before it exited
+      if (others.size() == 1) watch_.acknowledge_job_rank(others.front());  // never read
+      watch_.publish_and_fail((others.size() == 1 ? "rank " : "one of ranks ") + names +
+                              " is gone: its connection closed while rank " + std::to_string(me) +
+                              " waited for " + what +
+                              " with it; it crashed, was killed, or exited early (see its output). "
+                              "Transport error: " +
+                              detail::what_of(e));
+      watch_.rethrow_failure();
       throw;
     }
   }
@@ -334,21 +329,7 @@ class C10dTransport : private detail::C10dReceiver {
   /// this rank), wakes this process's receivers (they return nothing) and cancels pending
   /// transfers. On the rank that serves the store it then waits, boundedly, until the others
   /// have read the cause.
-  void abort(std::exception_ptr e) {
-    // Marked aborted here before the store hears of it: this rank's own store poll must not
-    // take its own published failure for another rank's and report that instead of `e`.
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      aborted_here_ = true;
-      stopped_ = true;
-      abort_works_locked();
-    }
-    wake_all();
-    abort_local(e);
-    publish("rank " + name_of(rank()) + " failed: " + failure_text(e));
-    acknowledge(rank());
-    linger();
-  }
+  void abort(std::exception_ptr e) { watch_.abort_here(e); }
 
  private:
   // Tags at and above 2^29 are the shared values' (message tags stay below, see tag_of); they
@@ -356,72 +337,32 @@ class C10dTransport : private detail::C10dReceiver {
   static constexpr int kValueTags = 1 << 29;
   static constexpr std::int64_t kValueTagCount = 1024;
 
-  // An error's text and, for an exception that does not carry it in its text (anything but
-  // c10::Error), the pipeline cell it came from (stagewise::error_context).
-  static std::string failure_text(const std::exception_ptr& e) {
-    std::string what = "unknown error";
-    bool has_context = false;
-    try {
-      if (e) std::rethrow_exception(e);
-    } catch (const c10::Error& x) {
-      what = detail::what_of(x);
-      has_context = true;
-    } catch (const std::exception& x) {
-      what = x.what();
-    } catch (...) {
-    }
-    if (!has_context) {
-      if (auto where = ::stagewise::error_context(e)) what += " (" + where->text() + ")";
-    }
-    return what;
-  }
-
   // Sends `m` to rank `dst` under `tag`: a header, then one send per non-empty tensor, or all in
   // one transfer where they fit its inline room (detail/header.hpp). `counted`: in traffic() (the
   // step's messages are; the shared values are not).
   void send_to(int dst, int tag, const MessageKey& k, Message m, bool counted = true) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) throw_copy(failure_);
-      if (stopped_) return;  // this rank aborted: nobody waits for it any more
-    }
+    watch_.throw_if_failed();
+    if (watch_.stopped()) return;  // this rank aborted: nobody waits for it any more
     // Before it leaves: its gradient cannot come back earlier.
-    if (auto reply = reply_to(k)) replies_.expect(*reply, k, m);
+    if (auto reply = reply_to(k)) receiver_.replies().expect(*reply, k, m);
     // Onto the transport's device through the one crossing helper (this is the sending stage's
     // worker: its current stream is the stage's compute stream).
-    const auto out = detail::transfers_of(m, options_.device(), inline_room());
-    // One thread posts a message's sends in order: Gloo matches one tag's messages in order.
-    std::lock_guard<std::mutex> post(post_);
-    for (const auto& t : out) {
-      std::vector<at::Tensor> one{t};
-      c10::intrusive_ptr<c10d::Work> work;
-      try {
-        work = group_.send(one, dst, tag);
-      } catch (const std::exception& e) {
-        // The connection to `dst` closed: say why (a failure it published, else that it is gone).
-        if (aborted_here()) return;
-        fail_peer(dst, k, e);
-      }
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopped_) work->abort();
-      sends_.push_back({std::move(work), dst, k});
-    }
+    const auto out = detail::transfers_of(m, options_.device(), receiver_.inline_room());
+    if (!sender_.send(dst, tag, k, out)) return;  // aborted here
     if (counted) {
       ++messages_sent_;
       bytes_sent_ += detail::payload_bytes(m);
     }
-    sent_.notify_one();
   }
 
-  // Receives the message `k` from rank `src` under `tag`: its header, then the rest.
-  std::optional<Message> receive_from(int src, int tag, const MessageKey& k, bool counted = true) {
-    auto first = first_part();
-    if (!receive(first, src, tag, k)) return std::nullopt;
-    return receive_rest(first, src, tag, k, counted);
+  // A failure or an abort fails the step's mailbox (between this rank's own stages) with it.
+  void abort_local(const std::exception_ptr& cause) {
+    std::lock_guard<std::mutex> lock(local_mutex_);
+    if (local_) local_->abort(cause);
   }
 
   MailboxTransport& local() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(local_mutex_);
     TORCH_CHECK(local_ != nullptr, "stagewise::C10dTransport: call begin_step(stages, ",
                 "micro_batches, skips) before a step's messages");
     return *local_;
@@ -462,7 +403,15 @@ class C10dTransport : private detail::C10dReceiver {
 
   int tag_of(const MessageKey& k) const { return detail::message_tag(k, step_.load()); }
 
-  Connection connection_;   // for gather
+  C10dOptions options_;
+  Connection connection_;  // for gather
+  detail::Link link_;      // the group, its post lock, the job ranks' names
+  detail::FailureWatch watch_;
+  detail::Sender sender_;
+  detail::Receiver receiver_;
+  std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
+  mutable std::mutex local_mutex_;                              // local_
+  std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
   std::vector<int> placement_;  // every stage's rank; empty: built with a rank_of function
   std::int64_t gathers_ = 0;    // gather calls so far
   std::function<int(int)> rank_of_;
@@ -470,9 +419,6 @@ class C10dTransport : private detail::C10dReceiver {
   std::atomic<std::int64_t> step_{0};
   std::int64_t shared_ = 0;  // share() calls so far
   bool begun_ = false;
-  std::thread watchdog_;
-  std::thread reaper_;
-  std::thread receiver_;
 };
 
 }  // namespace stagewise::runtime

@@ -1,8 +1,9 @@
 #pragma once
 
 #include "stagewise/runtime/c10d/detail/arrival.hpp"
-#include "stagewise/runtime/c10d/detail/failure.hpp"
+#include "stagewise/runtime/c10d/detail/failure_watch.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/detail/link.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
 #include "stagewise/runtime/message.hpp"
@@ -15,13 +16,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -29,30 +33,26 @@
 namespace stagewise::runtime::detail {
 
 // How C10dTransport receives from another rank: receives posted (and watched for their deadline)
-// one tensor at a time, or ahead of time by `expect` and completed in order by the receiver
-// thread (`receive_ahead`, started and joined by C10dTransport), which `take_ahead` waits for.
-// Also holds what C10dTransport's sends share with the receives: the mutex that serialises their
-// posts, the counters of the traffic with other ranks, and the form of the replies due for what
-// it sent (Replies).
-class C10dReceiver : protected C10dFailures {
- protected:
-  C10dReceiver(const Connection& c, C10dOptions options) : C10dFailures(c, std::move(options)) {}
-  ~C10dReceiver() = default;
+// one transfer at a time, or ahead of time (`expect`) and completed in order by the receiver
+// thread (`receive_ahead`), which `take_ahead` waits for. Every message is checked against its
+// header and every reply against what this rank sent for it (`replies`). Its own lock guards its
+// posted receives and arrivals; the failure watch stops it (`stop`: every posted receive
+// aborted, its waiters woken).
+class Receiver {
+ public:
+  Receiver(Link& link, FailureWatch& watch, const C10dOptions& options)
+      : link_(link), watch_(watch), options_(options) {}
+  ~Receiver() { close(); }
 
-  // A message whose header receive was posted ahead (by `expect`).
-  struct Ahead {
-    MessageKey key;
-    int src = 0;
-    int tag = 0;
-    torch::Tensor header;
-    std::uint64_t id = 0;  // the header's receive, in waiting_
-  };
-  // What the receiver thread got for an expected message.
-  struct Arrival {
-    bool done = false;
-    std::optional<Message> message;  // nothing: this rank aborted
-    std::exception_ptr error;
-  };
+  Receiver(const Receiver&) = delete;
+  Receiver& operator=(const Receiver&) = delete;
+
+  void start() {
+    thread_ = std::thread([this] { receive_ahead(); });
+  }
+
+  // The form of the gradients due for what this rank sent (checked on their arrival).
+  Replies& replies() { return replies_; }
 
   // The bytes a message's first transfer carries after its header (detail/header.hpp): room for
   // small tensors over Gloo, none over NCCL.
@@ -60,6 +60,36 @@ class C10dReceiver : protected C10dFailures {
 
   // The receive a message's first transfer arrives in: its header and the inline room.
   torch::Tensor first_part() const { return first_receive(options_.device(), inline_room()); }
+
+  // Receives the message `k` from rank `src` under `tag`: its first part, then the rest.
+  std::optional<Message> receive_message(int src, int tag, const MessageKey& k,
+                                         bool counted = true) {
+    auto first = first_part();
+    if (!receive(first, src, tag, k)) return std::nullopt;
+    return receive_rest(first, src, tag, k, counted);
+  }
+
+  // Posts the receive of message `k`'s first part from rank `src` now; the receiver thread
+  // completes it in posting order, and `take_ahead(k)` takes it. False once aborted here.
+  bool expect(const MessageKey& k, int src, int tag) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(arrivals_.find(k) == arrivals_.end(),
+                  "stagewise::C10dTransport::expect: ", detail::describe(k),
+                  " is expected twice in one step");
+    }
+    Ahead a{k, src, tag, first_part(), 0};
+    auto id = post(a.header, src, a.tag, k, std::chrono::steady_clock::time_point::max());
+    if (!id) return false;  // aborted here
+    a.id = *id;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      arrivals_.emplace(k, Arrival{});
+      ahead_.push_back(std::move(a));
+    }
+    expected_.notify_one();
+    return true;
+  }
 
   // The rest of a message whose first part `first` (first_part()) has arrived: the header's
   // tail, then the tensors, which are in `first` already when they travelled inline; counted in
@@ -69,7 +99,9 @@ class C10dReceiver : protected C10dFailures {
   // anything is allocated for it. Nothing once this process aborted.
   std::optional<Message> receive_rest(const torch::Tensor& first, int src, int tag,
                                       const MessageKey& k, bool counted = true) {
-    const auto from = [&] { return "rank " + name_of(src) + " (for " + detail::describe(k) + ")"; };
+    const auto from = [&] {
+      return "rank " + link_.name_of(src) + " (for " + detail::describe(k) + ")";
+    };
     const auto cpu = copy_to(first, torch::kCPU);
     const std::int64_t n = detail::check_first(cpu, from);
     const auto* w = cpu.data_ptr<std::int64_t>();
@@ -84,8 +116,8 @@ class C10dReceiver : protected C10dFailures {
     }
     const auto layout =
         detail::parse_header(words, options_.max_message_bytes(), inline_room(), from);
-    detail::check_form(k, layout, name_of(src));
-    replies_.check(k, layout, name_of(src));
+    detail::check_form(k, layout, link_.name_of(src));
+    replies_.check(k, layout, link_.name_of(src));
     Message m = detail::allocate(layout, options_.device());
     std::int64_t bytes = 0;
     if (layout.inlined) {  // parse_header checked that they fit the room
@@ -129,22 +161,92 @@ class C10dReceiver : protected C10dFailures {
         if (a.error) std::rethrow_exception(a.error);
         return std::move(a.message);
       }
-      if (failure_ && !aborted_here_) throw_copy(failure_);
-      if (aborted_here_) return std::nullopt;
+      if (stopped_) {
+        // Stopped by a failure (thrown here) or an abort here (nothing to return).
+        lock.unlock();
+        watch_.rethrow_failure();
+        return std::nullopt;
+      }
       if (arrived_.wait_until(lock, deadline) == std::cv_status::timeout &&
-          !arrivals_.find(k)->second.done) {
+          !arrivals_.find(k)->second.done && !stopped_) {
         const std::string stuck =
-            "rank " + name_of(rank()) + " waited more than " +
+            "rank " + link_.name_of(link_.rank()) + " waited more than " +
             std::to_string(options_.timeout().count()) + " ms for " + detail::describe(k) +
-            " from rank " + name_of(src) + "; that rank is stuck or slower than " +
+            " from rank " + link_.name_of(src) + "; that rank is stuck or slower than " +
             "the timeout (raise C10dOptions::timeout if its stage is just slow)";
         lock.unlock();
-        publish(stuck);
-        fail(stuck);
+        watch_.publish(stuck);
+        watch_.fail(stuck);
         lock.lock();
       }
     }
   }
+
+  // For the failure watch: what the first receive waiting past its deadline waits for.
+  std::optional<std::string> overdue() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) return std::nullopt;
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& [id, w] : waiting_) {
+      if (now > w.deadline) {
+        return "rank " + link_.name_of(link_.rank()) + " waited more than " +
+               std::to_string(options_.timeout().count()) + " ms for " + detail::describe(w.key) +
+               " from rank " + link_.name_of(w.peer) + "; that rank is stuck or slower than " +
+               "the timeout (raise C10dOptions::timeout if its stage is just slow)";
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Aborts every posted receive and wakes every waiter; receives posted after are aborted too.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+      for (auto& [id, w] : waiting_) w.work->abort();
+    }
+    expected_.notify_all();
+    arrived_.notify_all();
+  }
+
+  // Stops and joins the receiver thread.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing_ = true;
+    }
+    stop();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Forgets the expected replies (a new step).
+  void begin_step() { replies_.clear(); }
+
+  std::int64_t messages_received() const { return messages_received_.load(); }
+  std::int64_t bytes_received() const { return bytes_received_.load(); }
+
+ private:
+  // A message whose first part's receive was posted ahead (by `expect`).
+  struct Ahead {
+    MessageKey key;
+    int src = 0;
+    int tag = 0;
+    torch::Tensor header;
+    std::uint64_t id = 0;  // the first part's receive, in waiting_
+  };
+  // What the receiver thread got for an expected message.
+  struct Arrival {
+    bool done = false;
+    std::optional<Message> message;  // nothing: this rank aborted
+    std::exception_ptr error;
+  };
+  // A posted receive, which the failure watch fails after its deadline.
+  struct Waiting {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer = 0;
+    MessageKey key;
+    std::chrono::steady_clock::time_point deadline;
+  };
 
   // Background: completes the messages posted ahead, in order, and hands them to take_ahead.
   void receive_ahead() {
@@ -174,20 +276,20 @@ class C10dReceiver : protected C10dFailures {
     return id && await(*id, src, k);
   }
 
-  // Posts a receive into `t`, which the watchdog fails after `deadline`; its id in waiting_, or
-  // nothing once aborted here; throws the failure otherwise.
+  // Posts a receive into `t`, which the failure watch fails after `deadline`; its id in
+  // waiting_, or nothing once aborted here; throws the failure otherwise.
   std::optional<std::uint64_t> post(const torch::Tensor& t, int src, int tag, const MessageKey& k,
                                     std::chrono::steady_clock::time_point deadline) {
     std::vector<at::Tensor> in{t};
-    rethrow_failure();
+    watch_.rethrow_failure();
     c10::intrusive_ptr<c10d::Work> work;
     try {
       // Posts are serialised with the sends: a process group's calls may share state.
-      std::lock_guard<std::mutex> posting(post_);
-      work = group_.recv(in, src, tag);
+      std::lock_guard<std::mutex> posting(link_.post);
+      work = link_.group.recv(in, src, tag);
     } catch (const std::exception& e) {
-      if (aborted_here()) return std::nullopt;
-      fail_peer(src, k, e);
+      if (watch_.aborted_here()) return std::nullopt;
+      watch_.fail_peer(src, k, e);
     }
     std::lock_guard<std::mutex> lock(mutex_);
     const std::uint64_t id = next_id_++;
@@ -208,11 +310,11 @@ class C10dReceiver : protected C10dFailures {
       done = work->wait();
     } catch (const std::exception& e) {
       forget(id);
-      if (aborted_here()) return false;
-      fail_peer(src, k, e);
+      if (watch_.aborted_here()) return false;
+      watch_.fail_peer(src, k, e);
     }
     forget(id);
-    if (!done) rethrow_failure();
+    if (!done) watch_.rethrow_failure();
     return done;
   }
 
@@ -221,15 +323,22 @@ class C10dReceiver : protected C10dFailures {
     waiting_.erase(id);
   }
 
-  Replies replies_;  // the form of the gradients due for what this rank sent
-  std::atomic<std::int64_t> messages_sent_{0}, bytes_sent_{0};  // to other ranks
+  Link& link_;
+  FailureWatch& watch_;
+  const C10dOptions& options_;
+  Replies replies_;  // has a lock of its own
   std::atomic<std::int64_t> messages_received_{0}, bytes_received_{0};
+  std::thread thread_;
 
-  std::mutex post_;  // one message's sends go out together
-  // Under C10dFailures::mutex_:
+  std::mutex mutex_;                  // everything below
+  std::condition_variable expected_;  // the receiver thread: a receive posted ahead, or closing
+  std::condition_variable arrived_;   // take_ahead: an expected message arrived, or a stop
+  std::map<std::uint64_t, Waiting> waiting_;
   std::uint64_t next_id_ = 0;
   std::deque<Ahead> ahead_;                           // posted ahead, not yet received
   std::unordered_map<MessageKey, Arrival> arrivals_;  // expected this step, by key
+  bool stopped_ = false;
+  bool closing_ = false;
 };
 
 }  // namespace stagewise::runtime::detail

@@ -1,26 +1,25 @@
 #pragma once
 
+#include "stagewise/core/error_context.hpp"
+#include "stagewise/runtime/c10d/detail/header.hpp"
+#include "stagewise/runtime/c10d/detail/link.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/keys.hpp"
 #include "stagewise/runtime/c10d/options.hpp"
-#include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/message.hpp"
 #include "stagewise/runtime/transport.hpp"
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
-#include <map>
-#include <memory>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -30,47 +29,51 @@
 
 namespace stagewise::runtime::detail {
 
-// The state C10dTransport's threads share, under one mutex (its pending transfers, its failure,
-// this step's MailboxTransport), and how a failure spreads: to the store for the other ranks, to
-// every pending transfer and to the local mailbox. The watchdog (`watch`) and the reaper (`reap`)
-// run here; C10dTransport starts and joins their threads.
-class C10dFailures {
- protected:
-  C10dFailures(const Connection& c, C10dOptions options)
-      : group_(c.group),
-        store_(c.store),
-        options_(std::move(options)),
+// C10dTransport's failure state and how a failure spreads: to the store for the other ranks
+// (published once; the first writer wins), and to this rank's sender, receiver and step mailbox
+// (the `on_stop` listeners, called once, outside this lock, when the transport stops). Its
+// watchdog thread looks for another rank's failure in the store once per poll, and asks the
+// receiver (`overdue`) for a receive past its deadline. One lock guards its own state only.
+class FailureWatch {
+ public:
+  // `overdue()`: what a receive waiting past its deadline waits for, if any (the receiver's).
+  using Overdue = std::function<std::optional<std::string>()>;
+  using OnStop = std::function<void(const std::exception_ptr&)>;
+
+  FailureWatch(const Connection& c, const C10dOptions& options, const Link& link)
+      : store_(c.store),
+        options_(options),
+        link_(link),
         abort_key_(options_.prefix() + "/abort"),
         seen_key_(options_.prefix() + "/abort_seen"),
         serves_store_(c.serves_store),
-        job_ranks_(c.job_ranks),
         job_size_(c.job_world()) {
     ignore_sigpipe();  // also for a connection the caller built (group.hpp)
   }
-  ~C10dFailures() = default;
+  ~FailureWatch() { close(); }
 
-  C10dFailures(const C10dFailures&) = delete;
-  C10dFailures& operator=(const C10dFailures&) = delete;
+  FailureWatch(const FailureWatch&) = delete;
+  FailureWatch& operator=(const FailureWatch&) = delete;
 
-  struct Pending {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer = 0;
-    MessageKey key;
-  };
-  struct Waiting {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer = 0;
-    MessageKey key;
-    std::chrono::steady_clock::time_point deadline;
-  };
-
-  int rank() const { return group_.rank(); }
-  // The job rank of this group's rank `r` (they differ in a subgroup of a larger job), as errors
-  // name it.
-  int job_rank(int r) const {
-    return job_ranks_.empty() ? r : job_ranks_.at(static_cast<std::size_t>(r));
+  // Starts the watchdog. `on_stop` is called once, with the cause (null when closing), when the
+  // transport stops: a failure here or elsewhere, an abort here, or closing.
+  void start(Overdue overdue, OnStop on_stop) {
+    overdue_ = std::move(overdue);
+    on_stop_ = std::move(on_stop);
+    watchdog_ = std::thread([this] { watch(); });
   }
-  std::string name_of(int r) const { return std::to_string(job_rank(r)); }
+
+  // Stops the watchdog and everything else (no more transfers); returns once it has joined.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closing_) return;
+      closing_ = true;
+    }
+    stop(nullptr);
+    watch_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
 
   // Throws a copy of the failure `e`: each thread that learns of it gets its own exception
   // object, to which the executor may add its cell as context without touching the others'.
@@ -82,33 +85,79 @@ class C10dFailures {
     }
   }
 
-  void abort_local(std::exception_ptr e) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (local_) local_->abort(e);
+  // An error's text and, for an exception that does not carry it in its text (anything but
+  // c10::Error), the pipeline cell it came from (stagewise::error_context).
+  static std::string failure_text(const std::exception_ptr& e) {
+    std::string what = "unknown error";
+    bool has_context = false;
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const c10::Error& x) {
+      what = detail::what_of(x);
+      has_context = true;
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+    }
+    if (!has_context) {
+      if (auto where = ::stagewise::error_context(e)) what += " (" + where->text() + ")";
+    }
+    return what;
   }
 
   // Throws the failure learnt here, unless this rank aborted first (its receivers then return
   // nothing and the executor reports its own error).
-  void rethrow_failure() {
+  void rethrow_failure() const {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_ && !aborted_here_) throw_copy(failure_);
   }
-
-  bool aborted_here() {
+  // Throws the failure learnt here, even after an abort here.
+  void throw_if_failed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) throw_copy(failure_);
+  }
+  bool aborted_here() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return aborted_here_;
   }
+  // No more transfers: a failure, an abort here, or closing.
+  bool stopped() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stopped_;
+  }
+  // A failure learnt here or an abort here (the rank that serves the store then lingers).
+  bool failed_or_aborted() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failure_ || aborted_here_;
+  }
+  // The failure learnt here (null if none).
+  std::exception_ptr failure() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failure_;
+  }
 
-  // A connection to `peer` broke while this rank waited on it: the peer died or stopped.
-  [[noreturn]] void fail_peer(int peer, const MessageKey& k, const std::exception& e) {
+  // This rank aborts with `e`: no failure learnt later replaces it, everything stops (the step's
+  // mailbox with `e`), and the other ranks learn it through the store (naming this rank).
+  void abort_here(const std::exception_ptr& e) {
     {
+      // Marked aborted here before the store hears of it: this rank's own store poll must not
+      // take its own published failure for another rank's and report that instead of `e`.
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) throw_copy(failure_);
+      aborted_here_ = true;
     }
+    stop(e);
+    publish("rank " + link_.name_of(link_.rank()) + " failed: " + failure_text(e));
+    acknowledge(link_.rank());
+    linger();
+  }
+
+  // A connection to `peer` broke while this rank exchanged `k` with it: the peer died or stopped.
+  [[noreturn]] void fail_peer(int peer, const MessageKey& k, const std::exception& e) {
+    throw_if_failed();
     rethrow_published_soon();
     const std::string what = cause_of_lost_peer(
-        peer, "rank " + name_of(peer) + " is gone: its connection closed while rank " +
-                  name_of(rank()) + " exchanged " + detail::describe(k) +
+        peer, "rank " + link_.name_of(peer) + " is gone: its connection closed while rank " +
+                  link_.name_of(link_.rank()) + " exchanged " + detail::describe(k) +
                   " with it; it crashed, was killed, or exited early (see its output). " +
                   "Transport error: " + detail::what_of(e));
     acknowledge(peer);  // it will never read the cause
@@ -134,7 +183,7 @@ class C10dFailures {
     }
   }
 
-  // Records a failure seen or learnt here and cancels every pending transfer.
+  // Records a failure seen or learnt here and stops everything.
   void fail(const std::string& what) {
     std::exception_ptr failure;
     bool first = false;
@@ -144,18 +193,16 @@ class C10dFailures {
       if (!failure_) {
         first = true;
         try {
-          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", job_rank(rank()), " stops too.");
+          TORCH_CHECK(false, "stagewise: ", what, ". Rank ", link_.job_rank(link_.rank()),
+                      " stops too.");
         } catch (...) {
           failure_ = std::current_exception();
         }
       }
       failure = failure_;
-      stopped_ = true;
-      abort_works_locked();
     }
-    wake_all();
-    abort_local(failure);
-    if (first) acknowledge(rank());
+    stop(failure);
+    if (first) acknowledge(link_.rank());
   }
 
   // Tells the other ranks (first writer wins); the store may be gone already.
@@ -168,9 +215,16 @@ class C10dFailures {
     }
   }
 
+  // Tells the other ranks of `what` and fails this one with what the store then holds: the
+  // first failure any rank published, so that every rank reports the same one.
+  void publish_and_fail(const std::string& what) {
+    publish(what);
+    fail(read_published().value_or(what));
+  }
+
   // Tells the rank serving the store that rank `who` (this one, or a peer found dead) knows the
   // job failed, or never will (see linger).
-  void acknowledge(int who) { acknowledge_job_rank(job_rank(who)); }
+  void acknowledge(int who) { acknowledge_job_rank(link_.job_rank(who)); }
   void acknowledge_job_rank(int who) {
     if (store_lost_) return;
     try {
@@ -221,39 +275,31 @@ class C10dFailures {
     return std::nullopt;
   }
 
-  // Tells the other ranks of `what` and fails this one with what the store then holds: the
-  // first failure any rank published, so that every rank reports the same one.
-  void publish_and_fail(const std::string& what) {
-    publish(what);
-    fail(read_published().value_or(what));
-  }
-
   // The failure to report when rank `peer`'s connection closed: the one a rank published, or,
   // if the store is gone too, the loss of the rank serving it (it may have died first and taken
   // the others' word with it), else `peer`'s.
   std::string cause_of_lost_peer(int peer, const std::string& peer_gone) {
-    if (store_lost_ && job_rank(peer) != 0) {
+    if (store_lost_ && link_.job_rank(peer) != 0) {
       return "rank 0, which serves the job's store, is gone: the store stopped answering and "
              "rank " +
-             name_of(peer) + "'s connection closed while rank " + name_of(rank()) +
+             link_.name_of(peer) + "'s connection closed while rank " +
+             link_.name_of(link_.rank()) +
              " waited; rank 0 crashed, was killed, or exited early (see its output), and rank " +
-             name_of(peer) + " stopped after it";
+             link_.name_of(peer) + " stopped after it";
     }
     return peer_gone;
   }
 
-  // Wakes every thread that waits on this transport's state: after a failure, an abort, or at
-  // closing. Otherwise each condition below is notified only by what its waiter waits for.
-  void wake_all() {
-    watch_.notify_all();
-    sent_.notify_all();
-    expected_.notify_all();
-    arrived_.notify_all();
-  }
-
-  void abort_works_locked() {
-    for (auto& [id, w] : waiting_) w.work->abort();
-    for (auto& s : sends_) s.work->abort();
+ private:
+  // Stops everything once: the listeners hear `cause` outside this lock.
+  void stop(const std::exception_ptr& cause) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+    }
+    // Every call reaches the listeners: an abort after a failure still aborts the mailbox with
+    // its own error (the mailbox keeps the first), and closing after either changes nothing.
+    if (on_stop_) on_stop_(cause);
   }
 
   // Background: another rank's failure in the store, and receives past their deadline, once per
@@ -266,96 +312,37 @@ class C10dFailures {
       if (watch_.wait_until(lock, next, [&] { return closing_; })) continue;
       next = std::chrono::steady_clock::now() + options_.poll();
       if (stopped_) continue;
-      std::string stuck;
-      const auto now = std::chrono::steady_clock::now();
-      for (const auto& [id, w] : waiting_) {
-        if (now > w.deadline) {
-          stuck = "rank " + name_of(rank()) + " waited more than " +
-                  std::to_string(options_.timeout().count()) + " ms for " +
-                  detail::describe(w.key) + " from rank " + name_of(w.peer) +
-                  "; that rank is stuck or slower than " +
-                  "the timeout (raise C10dOptions::timeout if its stage is just slow)";
-          break;
-        }
-      }
-      if (!stuck.empty()) {
-        lock.unlock();
-        publish_and_fail(stuck);
-        lock.lock();
-        continue;
-      }
-      // Once rank 0, which serves the store, has exited, the store is not asked again; if it
-      // died, the Gloo connections to it fail the receives that wait on it, and the deadline
-      // bounds the others.
-      if (store_lost_) continue;
       lock.unlock();
-      if (auto published = read_published()) fail(*published);
+      if (auto stuck = overdue_()) {
+        publish_and_fail(*stuck);
+      } else if (!store_lost_) {
+        // Once rank 0, which serves the store, has exited, the store is not asked again; if it
+        // died, the Gloo connections to it fail the receives that wait on it, and the deadline
+        // bounds the others.
+        if (auto published = read_published()) fail(*published);
+      }
       lock.lock();
     }
   }
 
-  // Background: completes this rank's sends in order, so their tensors are freed early.
-  void reap() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      sent_.wait(lock, [&] { return closing_ || !sends_.empty(); });
-      if (sends_.empty()) return;
-      Pending p = sends_.front();
-      sending_ = true;
-      lock.unlock();
-      std::optional<std::string> broken;
-      try {
-        p.work->wait();
-      } catch (const std::exception& e) {
-        broken = detail::what_of(e);
-      }
-      lock.lock();
-      sends_.pop_front();
-      sending_ = false;
-      if (broken && !stopped_) {
-        const std::string what = "rank " + name_of(p.peer) +
-                                 " is gone: its connection closed while rank " + name_of(rank()) +
-                                 " sent it " + detail::describe(p.key) +
-                                 "; it crashed, was killed, or exited early (see its output). "
-                                 "Transport error: " +
-                                 *broken;
-        lock.unlock();
-        if (auto published = read_published()) {
-          fail(*published);
-        } else {
-          acknowledge(p.peer);  // it will never read the cause
-          publish_and_fail(cause_of_lost_peer(p.peer, what));
-        }
-        lock.lock();
-      }
-      idle_.notify_all();
-    }
-  }
-
-  PointToPoint group_;
   c10::intrusive_ptr<c10d::Store> store_;
   C10dOptions options_;
+  const Link& link_;
   std::string abort_key_;
   std::string seen_key_;  // <seen_key_>/<rank>: that rank learnt of a failure (acknowledge, linger)
   bool serves_store_ = false;
-  std::vector<int> job_ranks_;  // of each group rank; empty: the group is the job
   int job_size_ = 1;
-  bool lingered_ = false;
-  std::atomic<bool> store_lost_{false};      // the store stopped answering: not asked again
-  std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
+  std::atomic<bool> store_lost_{false};  // the store stopped answering: not asked again
+  Overdue overdue_;
+  OnStop on_stop_;
+  std::thread watchdog_;
 
-  mutable std::mutex mutex_;  // everything below, and C10dReceiver's next_id_, ahead_ and arrivals_
-  std::condition_variable watch_;     // the watchdog: closing
-  std::condition_variable sent_;      // the reaper: a send posted, or closing
-  std::condition_variable expected_;  // the receiver thread: a receive posted ahead, or closing
-  std::condition_variable arrived_;   // take_ahead: an expected message arrived, or a failure
-  std::condition_variable idle_;      // the destructor: every send completed
-  std::deque<Pending> sends_;
-  bool sending_ = false;
-  std::map<std::uint64_t, Waiting> waiting_;
-  bool stopped_ = false;       // no more transfers: failure, abort here, or closing
-  bool aborted_here_ = false;  // abort() was called on this rank
+  mutable std::mutex mutex_;       // everything below
+  std::condition_variable watch_;  // the watchdog: closing
+  bool stopped_ = false;           // no more transfers: failure, abort here, or closing
+  bool aborted_here_ = false;      // abort_here() was called
   bool closing_ = false;
+  bool lingered_ = false;
   std::exception_ptr failure_;
 };
 
