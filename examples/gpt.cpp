@@ -2,7 +2,7 @@
 // Debian's `fortunes` package, split into pipeline stages by measured time. The RoPE tables, the
 // causal mask and the int64 token ids are made in stage 0 and reach every block's stage as skips.
 // AdamW is fused into backward, with gradient clipping by the whole model's norm.
-//   ./bazelw run //examples:gpt -- --steps=300            (one process, 2 stages)
+//   ./bazelw run //examples:gpt                 (one process, 2 stages; --small: a smaller model)
 //   ./bazelw build //examples:gpt && tools/launch -n 2 -- bazel-bin/examples/gpt --clip=0
 // Writes to --out: loss.svg, timeline.svg, losses.csv, gpt.pt and gpt.safetensors (load them in
 // Python: docs/gpt.md), and a save per --save-every steps (ckpt-<step>/, used by --resume).
@@ -152,14 +152,24 @@ int main(int argc, char** argv) try {
     return train(pipe, f, corpus, pipe->rank(), pipe->world_size());
   }
   options.devices(sw::place_stages(static_cast<std::size_t>(f.stages), f.device));
-  const auto b = sw::balance_by_time(f.stages, model, sample,
-                                     sw::BalanceOptions().device(options.devices()[0]));
+  sw::balance b;
+  if (f.resume) {
+    const auto saved = gpt::read_balance(f.out);
+    b.assign(saved.begin(), saved.end());
+  } else {
+    b = sw::balance_by_time(f.stages, model, sample,
+                            sw::BalanceOptions().device(options.devices()[0]));
+    gpt::write_balance(f.out, b);
+  }
   std::printf("balance by time:");
   for (auto n : b) std::printf(" %lld", (long long)n);
   std::printf(" layers over %lld stages on %s\n", (long long)f.stages,
               options.devices()[0].str().c_str());
   auto pipe = sw::Pipe(model, b, options);
   return train(pipe, f, corpus, 0, 1);
+} catch (const c10::Error& e) {
+  std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+  return 2;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());
   return 2;

@@ -8,7 +8,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -23,7 +25,7 @@ inline std::string default_out() {
 
 struct Flags {
   Config model;
-  int64_t steps = 300, batch = 32, chunks = 4, stages = 2, eval_every = 25, save_every = 100;
+  int64_t steps = 150, batch = 16, chunks = 4, stages = 2, eval_every = 25, save_every = 100;
   double lr = 3e-3, clip = 1.0;
   double expect_valid = 0;  // > 0: exit 1 unless the final validation loss is below it
   std::string schedule = "1f1b", checkpoint = "except_last", device = "auto";
@@ -52,12 +54,13 @@ inline void set_bf16_autocast(const std::string& device, bool on) {
 }
 
 inline const char* usage =
-    "usage: gpt [--steps=300] [--batch=32] [--chunks=4] [--stages=2] [--layers=4] [--dim=64]\n"
+    "usage: gpt [--steps=150] [--batch=16] [--chunks=4] [--stages=2] [--layers=4] [--dim=64]\n"
     "           [--heads=4] [--context=64] [--lr=3e-3] [--clip=1.0 (0: off)]\n"
     "           [--schedule=1f1b|zb] [--checkpoint=always|except_last|never] [--bf16]\n"
     "           [--device=auto|cpu|cuda|cuda:N|cpu,cuda:0] [--out=gpt_out] [--resume]\n"
     "           [--eval-every=25] [--save-every=100] [--seed=0] [--data=/usr/share/games/fortunes]\n"
     "           [--expect-valid=X (exit 1 unless the final validation loss is below X)]\n"
+    "           [--small (2 layers, dim 32, 2 heads, context 32, batch 16, chunks 2, lr 1e-2)]\n"
     "Under tools/launch -n K (WORLD_SIZE set) each rank runs one of K stages.";
 
 inline int64_t to_int(const std::string& name, const std::string& v, int64_t min) {
@@ -78,6 +81,12 @@ inline double to_double(const std::string& name, const std::string& v, double mi
 
 inline Flags parse_flags(int argc, char** argv) {
   Flags f;
+  for (int i = 1; i < argc; ++i) {  // the preset first: the other flags change it
+    if (std::string(argv[i]) == "--small") {
+      f.model.layers = 2, f.model.dim = 32, f.model.heads = 2, f.model.context = 32;
+      f.batch = 16, f.chunks = 2, f.lr = 1e-2, f.eval_every = 10;
+    }
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     TORCH_CHECK(arg.rfind("--", 0) == 0, "gpt: unexpected argument '", arg, "'\n", usage);
@@ -86,11 +95,21 @@ inline Flags parse_flags(int argc, char** argv) {
     const bool has_value = eq != std::string::npos;
     const std::string v = has_value ? arg.substr(eq + 1) : "";
     auto need = [&] { TORCH_CHECK(has_value, "gpt: --", name, " needs a value (--", name, "=...)\n", usage); };
+    if (name == "small") {
+      TORCH_CHECK(!has_value, "gpt: --small is a switch; write it without a value");
+      continue;
+    }
     if (name == "bf16" || name == "resume") {
       TORCH_CHECK(!has_value, "gpt: --", name, " is a switch; write it without a value");
       (name == "bf16" ? f.bf16 : f.resume) = true;
       continue;
     }
+    static const char* const known[] = {
+        "steps", "batch", "chunks", "stages", "layers", "dim", "heads", "context", "eval-every",
+        "save-every", "seed", "lr", "clip", "expect-valid", "schedule", "checkpoint", "device",
+        "out", "data"};
+    TORCH_CHECK(std::find(std::begin(known), std::end(known), name) != std::end(known),
+                "gpt: unknown flag --", name, "\n", usage);
     need();
     if (name == "steps") f.steps = to_int(name, v, 1);
     else if (name == "batch") f.batch = to_int(name, v, 1);
@@ -115,8 +134,7 @@ inline Flags parse_flags(int argc, char** argv) {
       f.checkpoint = v;
     } else if (name == "device") f.device = v;
     else if (name == "out") f.out = v;
-    else if (name == "data") f.data = v;
-    else TORCH_CHECK(false, "gpt: unknown flag --", name, "\n", usage);
+    else f.data = v;  // "data", the last known name
   }
   check(f.model);
   TORCH_CHECK(f.stages <= f.model.layers + 2, "gpt: --stages=", f.stages, " is more than the ",

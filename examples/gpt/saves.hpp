@@ -28,6 +28,22 @@ inline std::string latest_save(const std::string& out) {
   return best;
 }
 
+/// The split a run trained with (`<out>/balance`: layers per stage), which --resume reuses:
+/// a split measured again could differ, and a save loads only into the split that made it.
+inline void write_balance(const std::string& out, const std::vector<int64_t>& b) {
+  std::ofstream f(out + "/balance");
+  TORCH_CHECK(f, "gpt: cannot write '", out, "/balance'");
+  for (auto n : b) f << n << "\n";
+}
+
+inline std::vector<int64_t> read_balance(const std::string& out) {
+  std::ifstream f(out + "/balance");
+  TORCH_CHECK(f, "gpt: --resume needs ", out, "/balance (the split of the run to resume)");
+  std::vector<int64_t> b;
+  for (int64_t n = 0; f >> n;) b.push_back(n);
+  return b;
+}
+
 inline void write_losses(const std::string& path, const std::vector<LossPoint>& log) {
   std::ofstream out(path);
   TORCH_CHECK(out, "gpt: cannot write '", path, "'");

@@ -7,7 +7,7 @@ examples=$1
 launch=$2
 load=$3
 tmp=${TEST_TMPDIR:-$(mktemp -d)}
-small=(--layers=2 --dim=32 --heads=2 --context=32 --batch=8 --chunks=2 --eval-every=4 --save-every=2)
+small=(--small --batch=8 --eval-every=4 --save-every=2)
 gpt() { "$examples" gpt "${small[@]}" "$@"; }
 gpt2() { "$launch" -n 2 --timeout 240 -- "$examples" gpt "${small[@]}" --clip=0 "$@"; }
 same() {
