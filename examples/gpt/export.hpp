@@ -1,9 +1,12 @@
 // Weights of examples/gpt.cpp for Python: the model's parameters and buffers under their module
 // names ("embed.tok.weight", "block0.attn.qkv.weight", ...), written as a pickled dict that
-// Python's torch.load reads (torch::pickle_save writes PyTorch's zip format) and as safetensors
+// Python's torch.load reads (PyTorch's zip format, as torch::pickle_save writes it) and as safetensors
 // (an 8-byte little-endian header length, a JSON header, then the raw bytes).
 #pragma once
 
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -45,11 +48,35 @@ inline std::vector<char> read_bytes(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), {}};
 }
 
+/// `value` in the zip format of Python's `torch.save`, as `torch::pickle_save` writes it but
+/// without TorchScript's type tags on dicts and lists, which PyTorch 2.6's default
+/// `torch.load(path)` (weights_only=True) refuses ("Unsupported global: restore_type_tag").
+inline std::vector<char> torch_save_bytes(const c10::IValue& value) {
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* b, std::size_t n) { pickle.insert(pickle.end(), b, b + n); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr,
+                              /*memoized_class_types=*/nullptr, /*get_tensor_id=*/nullptr,
+                              /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> out;
+  {  // the writer finishes the zip when it goes out of scope
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* b, std::size_t n) {
+      out.insert(out.end(), static_cast<const char*>(b), static_cast<const char*>(b) + n);
+      return n;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                       writer);
+  }
+  return out;
+}
+
 /// The tensors as a pickled dict of str -> Tensor (Python: `torch.load(path)`).
 inline std::vector<char> to_pickle(const NamedTensors& tensors) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, t] : tensors) dict.insert(name, t);
-  return torch::pickle_save(c10::IValue(dict));
+  return torch_save_bytes(c10::IValue(dict));
 }
 
 /// Reads back what `to_pickle` wrote (also a part file of a distributed run).

@@ -58,7 +58,7 @@ inline void write_probe(torch::nn::Sequential& model, const torch::Tensor& ids,
   c10::Dict<std::string, at::Tensor> probe;
   probe.insert("ids", ids.contiguous());
   probe.insert("logits", model->forward(ids).to(torch::kFloat).contiguous());
-  const auto bytes = torch::pickle_save(c10::IValue(probe));
+  const auto bytes = torch_save_bytes(c10::IValue(probe));
   write_bytes(path, bytes.data(), bytes.size());
 }
 
