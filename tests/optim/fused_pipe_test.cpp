@@ -78,6 +78,35 @@ TEST_SUITE("fused step in a pipeline") {
     }
   }
 
+  TEST_CASE("clip_grad_norm_step around the fused train_step equals clip_grad_norm_ + AdamW") {
+    // The norm pass runs a whole fused train_step, whose finish_step must keep the norms it
+    // measured for the clip (it used to drop them: clip_grad_norm_step then stacked empty norms).
+    auto fused_model = make_model();
+    auto plain_model = make_model();
+    auto options = sw::PipeOptions().chunks(3);
+    auto fused_pipe = sw::Pipe(fused_model, sw::balance{2, 3}, options);
+    auto plain_pipe = sw::Pipe(plain_model, sw::balance{2, 3}, options);
+    const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+    sw::optim::FusedStep fused(fused_pipe->parameters(), adamw);
+    torch::optim::AdamW plain(plain_pipe->parameters(), adamw);
+    for (int step = 0; step < 5; ++step) {
+      auto x = torch::randn({7, 6}) * 10;
+      auto t = torch::randn({7, 3});
+      torch::Tensor a;
+      const auto r = sw::optim::clip_grad_norm_step(
+          fused, [&] { a = fused_pipe->train_step(x, t, mse, fused, sw::schedule::one_f_one_b{}); },
+          0.5);
+      for (auto& p : plain_pipe->parameters()) p.mutable_grad().reset();
+      torch::Tensor b = plain_pipe->train_step(x, t, mse, sw::schedule::one_f_one_b{});
+      const double norm = torch::nn::utils::clip_grad_norm_(plain_pipe->parameters(), 0.5);
+      plain.step();
+      CHECK(a.item<float>() == b.item<float>());
+      CHECK(r.total_norm == norm);
+      CHECK(r.total_norm > 0.5);  // it clipped
+    }
+    CHECK(max_abs_diff(*fused_model, *plain_model) == 0.0);
+  }
+
   TEST_CASE("a failing step resets the fused step, which then works again") {
     auto model = make_model();
     bool fail = true;

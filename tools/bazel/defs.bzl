@@ -97,13 +97,14 @@ def sw_example(name, deps = [], copts = ["-O2"], **kwargs):
         **kwargs
     )
 
-def sw_examples_test(name, programs, deps = []):
+def sw_examples_test(name, programs, deps = [], args = {}):
     """Every example as one program `name`, and a test `<example>_test` running each.
 
     tools/unity_source --dispatch writes the examples as one translation unit, each in its own
     namespace, with a main that runs the example its first argument names (`name quickstart`):
     compiled once (the library code they share instantiated once) instead of once per example.
     `programs`: example name -> ranks (0: run as a plain program; N: N ranks through tools/launch).
+    `args`: example name -> extra arguments its test passes (e.g. a short run's flags).
     """
     names = sorted(programs.keys())
     unity_source(name = name + "_unity", srcs = [n + ".cpp" for n in names], dispatch = True)
@@ -120,7 +121,7 @@ def sw_examples_test(name, programs, deps = []):
                 name = n + "_test",
                 size = "medium",
                 srcs = ["//tools/bazel:run_launched.sh"],
-                args = ["$(location //tools:launch)", str(ranks), "$(location :%s)" % name, n],
+                args = ["$(location //tools:launch)", str(ranks), "$(location :%s)" % name, n] + args.get(n, []),
                 data = [":" + name, "//tools:launch"],
             )
         else:
@@ -128,6 +129,6 @@ def sw_examples_test(name, programs, deps = []):
                 name = n + "_test",
                 size = "medium",
                 srcs = ["//tools/bazel:run_example.sh"],
-                args = ["$(location :%s)" % name, n],
+                args = ["$(location :%s)" % name, n] + args.get(n, []),
                 data = [":" + name],
             )

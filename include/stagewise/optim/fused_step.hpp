@@ -154,7 +154,7 @@ class FusedStep {
                   "gradients per backward (a layer recomputed twice).");
     }
     for (auto& slot : st.slots) slot->flush();
-    reset_step();
+    reset_counts();  // not reset_step: a norm pass (clip_grad_norm_step) still needs the norms
   }
 
   /// Strict mode for `finish_step`: also report a parameter that got fewer gradients than k in a
@@ -171,14 +171,11 @@ class FusedStep {
   /// Forgets the current step (e.g. after an exception mid-backward): pending gradients are
   /// freed and the counts reset; optimizer state is kept.
   void reset_step() {
-    auto& st = state();
-    for (auto& slot : st.slots) {
-      slot->arrivals.store(0);
-      slot->updates.store(0);
+    for (auto& slot : state().slots) {
       slot->norm = torch::Tensor();
-      slot->param.mutable_grad().reset();
+      slot->has_norm = false;
     }
-    st.shared.updated.store(0);
+    reset_counts();
   }
 
   /// How many parameters have stepped since the last `finish_step` / `reset_step`.
@@ -303,6 +300,17 @@ class FusedStep {
   }
 
  private:
+  // The per-step counts and pending gradients, cleared; the norms of a norm pass are kept.
+  void reset_counts() {
+    auto& st = state();
+    for (auto& slot : st.slots) {
+      slot->arrivals.store(0);
+      slot->updates.store(0);
+      slot->param.mutable_grad().reset();
+    }
+    st.shared.updated.store(0);
+  }
+
   friend struct detail::FusedStepAccess;
 
   detail::FusedState& state() {
