@@ -1,11 +1,14 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/schedule/offload.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,7 +50,27 @@ class PipeOptions {
     return *this;
   }
 
+  /// Activation offload (default off): in `train_step`, what each checkpointed cell keeps (its
+  /// inputs and the skips it popped) goes to `store` after its forward and comes back before its
+  /// recompute, as offload O and reload L actions that `schedule::offload` places in the plan
+  /// from `costs`: only where the forward-to-backward gap hides `costs.round_trips` copies. With
+  /// `costs.stages` empty every stage but the first offloads (the caller's batch holds the
+  /// first's inputs anyway). Results are bit-identical to the same pipe without offload. Only
+  /// checkpointed cells offload: pair it with Checkpoint::always (or except_last). See
+  /// docs/memory.md.
+  ///   stagewise::PipeOptions().chunks(8).checkpoint("always")
+  ///       .offload(stagewise::runtime::FileStore("/nvme/offload"))
+  PipeOptions& offload(runtime::AnyStore store, schedule::OffloadCosts costs = {}) {
+    TORCH_CHECK(costs.round_trips >= 0.0, "stagewise::PipeOptions: offload's round_trips is ",
+                costs.round_trips, "; give 0 or more (3: a pair must hide three copies)");
+    offload_store_ = std::move(store);
+    offload_costs_ = std::move(costs);
+    return *this;
+  }
+
   int64_t chunks() const { return chunks_; }
+  const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
+  const schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
   Checkpoint checkpoint() const { return checkpoint_; }
   const std::vector<torch::Device>& devices() const { return devices_; }
   bool deferred_batch_norm() const { return deferred_batch_norm_; }
@@ -57,6 +80,8 @@ class PipeOptions {
   Checkpoint checkpoint_ = Checkpoint::except_last;
   std::vector<torch::Device> devices_;
   bool deferred_batch_norm_ = false;
+  std::optional<runtime::AnyStore> offload_store_;
+  schedule::OffloadCosts offload_costs_;
 };
 
 }  // namespace stagewise

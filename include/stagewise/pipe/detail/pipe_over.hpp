@@ -15,6 +15,7 @@
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/pipe_saves.hpp"
+#include "stagewise/pipe/detail/offload_step.hpp"  // #34 offload
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
@@ -365,7 +366,8 @@ class PipeOver : public PlacedStages {
     if (reduces_gradients()) step.gradients_ready = [this](int j) { gradients_ready(j); };
     step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
-    const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
+    const auto plan = with_offloads(schedule::plan(sched, n, m, static_cast<int>(step.stop)),
+                                    options_, step, stages_);  // #34 offload: O/L, store
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
     if (reduces_gradients()) {
