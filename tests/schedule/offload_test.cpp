@@ -15,6 +15,7 @@
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include "tests/support/errors.hpp"
+#include "tests/support/listed_schedule.hpp"
 
 #include <doctest/doctest.h>
 
@@ -38,15 +39,10 @@ Action R(int micro, int stage) { return {stage, ActionKind::recompute, micro}; }
 Action O(int micro, int stage) { return {stage, ActionKind::offload, micro}; }
 Action L(int micro, int stage) { return {stage, ActionKind::reload, micro}; }
 
-struct listed {
-  std::vector<Action> actions;
-  generator<Action> operator()(int, int) const {
-    for (const auto& a : actions) co_yield a;
-  }
-};
+using stagewise::testing::listed;
 
 std::string problem(std::vector<Action> actions, int n = 1, int m = 2) {
-  return error_of([&] { sched::verify(listed{std::move(actions)}, n, m); });
+  return stagewise::testing::schedule_problem(std::move(actions), n, m);
 }
 
 int count(const sched::Plan& p, ActionKind k) {

@@ -134,31 +134,38 @@ class FileStore {
 
   void write_all(StageFile& f, const StoreKey& key, const char* data, std::int64_t bytes,
                  std::int64_t offset) {
-    std::int64_t done = 0;
-    while (done < bytes) {
-      const auto n = ::pwrite(f.fd, data + done, static_cast<std::size_t>(bytes - done),
-                              static_cast<off_t>(offset + done));
-      if (n < 0 && errno == EINTR) continue;
-      TORCH_CHECK(n > 0, "stagewise::", describe(), ": writing ", bytes, " bytes of stage ",
-                  key.stage, "'s micro-batch ", key.micro, " to '", path_of(key.stage),
-                  "' failed after ", done, " (", n < 0 ? std::strerror(errno) : "disk full",
-                  "); free space on that disk or give FileStore a directory on one with room");
-      done += n;
-    }
+    transfer(key, bytes, "writing", "to", "disk full",
+             "free space on that disk or give FileStore a directory on one with room",
+             [&](std::int64_t done) {
+               return ::pwrite(f.fd, data + done, static_cast<std::size_t>(bytes - done),
+                               static_cast<off_t>(offset + done));
+             });
   }
 
   void read_all(StageFile& f, const StoreKey& key, char* data, std::int64_t bytes,
                 std::int64_t offset) {
+    transfer(key, bytes, "reading", "from", "end of file",
+             "was the file changed or removed during the step? Keep the directory for the "
+             "store alone",
+             [&](std::int64_t done) {
+               return ::pread(f.fd, data + done, static_cast<std::size_t>(bytes - done),
+                              static_cast<off_t>(offset + done));
+             });
+  }
+
+  // Runs `step(done)` (one pread or pwrite from `done` bytes on) until `bytes` are through; a
+  // failure names the store, the cell, the file, the bytes and the fix.
+  template <class Step>
+  void transfer(const StoreKey& key, std::int64_t bytes, const char* doing, const char* preposition,
+                const char* short_reason, const char* fix, Step&& step) {
     std::int64_t done = 0;
     while (done < bytes) {
-      const auto n = ::pread(f.fd, data + done, static_cast<std::size_t>(bytes - done),
-                             static_cast<off_t>(offset + done));
+      const auto n = step(done);
       if (n < 0 && errno == EINTR) continue;
-      TORCH_CHECK(n > 0, "stagewise::", describe(), ": reading ", bytes, " bytes of stage ",
-                  key.stage, "'s micro-batch ", key.micro, " from '", path_of(key.stage),
-                  "' failed after ", done, " (", n < 0 ? std::strerror(errno) : "end of file",
-                  "); was the file changed or removed during the step? Keep the directory for "
-                  "the store alone");
+      TORCH_CHECK(n > 0, "stagewise::", describe(), ": ", doing, " ", bytes, " bytes of stage ",
+                  key.stage, "'s micro-batch ", key.micro, " ", preposition, " '",
+                  path_of(key.stage), "' failed after ", done, " (",
+                  n < 0 ? std::strerror(errno) : short_reason, "); ", fix);
       done += n;
     }
   }
