@@ -45,7 +45,9 @@ torch::nn::Sequential model() {
   return s;
 }
 
-torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); }
+torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
+  return torch::mse_loss(y, t);
+}
 
 struct Setup {
   torch::nn::Sequential net;
@@ -79,13 +81,13 @@ int main() {
   torch::set_num_threads(1);
   sw::bench::Conditions conditions("memory");
   const char* tmp = std::getenv("TMPDIR");
-  const std::string dir = std::string(tmp ? tmp : "/tmp") + "/stagewise_memory_bench_" +
-                          std::to_string(::getpid());
+  const std::string dir =
+      std::string(tmp ? tmp : "/tmp") + "/stagewise_memory_bench_" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);
-  std::printf("memory: %d stages of [Linear(%d,%d), Tanh] x 2 (the first from %d), batch %d, "
-              "chunks %d, checkpoint always; file store in %s\n",
-              static_cast<int>(kBalance.size()), kWidth, kWidth, kInput, kRows, kChunks,
-              dir.c_str());
+  std::printf(
+      "memory: %d stages of [Linear(%d,%d), Tanh] x 2 (the first from %d), batch %d, "
+      "chunks %d, checkpoint always; file store in %s\n",
+      static_cast<int>(kBalance.size()), kWidth, kWidth, kInput, kRows, kChunks, dir.c_str());
   torch::manual_seed(2);
   const auto x = torch::randn({kRows, kInput});
   const auto t = torch::randn({kRows, kWidth});
@@ -110,8 +112,10 @@ int main() {
               static_cast<double>(o1) / static_cast<double>(o0));
 
   sw::bench::Rounds r(/*rounds=*/5, /*calls=*/1, /*warmup=*/1);
-  r.add("GPipe, no offload", [&] { gpipe_plain.pipe->train_step(x, t, mse, sw::schedule::gpipe{}); });
-  r.add("GPipe, file offload", [&] { gpipe_file.pipe->train_step(x, t, mse, sw::schedule::gpipe{}); });
+  r.add("GPipe, no offload",
+        [&] { gpipe_plain.pipe->train_step(x, t, mse, sw::schedule::gpipe{}); });
+  r.add("GPipe, file offload",
+        [&] { gpipe_file.pipe->train_step(x, t, mse, sw::schedule::gpipe{}); });
   r.add("1F1B, no offload",
         [&] { ofob_plain.pipe->train_step(x, t, mse, sw::schedule::one_f_one_b{}); });
   r.add("1F1B, file offload",
@@ -149,18 +153,20 @@ int main() {
     s.pipe->train_step(x, t, mse, sw::schedule::gpipe{});
     const long long measured = memory.max_thread_rise(before);
     const auto& plan = s.pipe->memory_plan();
-    const double predicted = *std::max_element(plan.predicted_peak.begin(), plan.predicted_peak.end());
+    const double predicted =
+        *std::max_element(plan.predicted_peak.begin(), plan.predicted_peak.end());
     const bool ok = measured <= budget;
     respected = respected && ok;
-    std::printf("  budget %10lld: checkpoint %-11s offload %-3s predicted %10.0f measured %10lld %s\n",
-                budget, sw::to_string(plan.checkpoint), plan.offload ? "yes" : "no", predicted,
-                measured, ok ? "within" : "OVER");
+    std::printf(
+        "  budget %10lld: checkpoint %-11s offload %-3s predicted %10.0f measured %10lld %s\n",
+        budget, sw::to_string(plan.checkpoint), plan.offload ? "yes" : "no", predicted, measured,
+        ok ? "within" : "OVER");
   }
   std::filesystem::remove_all(dir);
   conditions.print_end();
-  std::printf("memory file_offload_peak_ratio=%.3f file_offload_time_ratio=%.3f "
-              "budget_respected=%d\n",
-              static_cast<double>(g1) / static_cast<double>(g0), gpipe_time.median,
-              respected ? 1 : 0);
+  std::printf(
+      "memory file_offload_peak_ratio=%.3f file_offload_time_ratio=%.3f "
+      "budget_respected=%d\n",
+      static_cast<double>(g1) / static_cast<double>(g0), gpipe_time.median, respected ? 1 : 0);
   return 0;
 }

@@ -5,10 +5,10 @@
 // checkpointed micro-batches of gpipe, one_f_one_b and zero_bubble_h1.
 // --stages is the number of workers K. With --schedule=interleaved_one_f_one_b or looped_bfs and
 // --virtual=v the model is cut into v x K stages, each costing 1/v of a whole stage; the
-// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per worker, costing
-// 1/2 each), so pictures of different schedules show the same model. --costs are T_F, T_B
-// (input-gradient part) and T_W. Prints the makespan, the bubble and the peak micro-batches in
-// flight.
+// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per
+// worker, costing 1/2 each), so pictures of different schedules show the same model. --costs are
+// T_F, T_B (input-gradient part) and T_W. Prints the makespan, the bubble and the peak
+// micro-batches in flight.
 #include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
@@ -17,9 +17,9 @@
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
-#include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/v_half.hpp"
 #include "stagewise/schedule/v_min.hpp"
+#include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
@@ -137,10 +137,14 @@ int main(int argc, char** argv) {
       // Offloads placed by schedule::offload, copies of the given time (one stage per worker).
       costs.offload = std::stod(args["offload"]);
       sched::Plan p;
-      if (name == "gpipe") p = sched::plan(sched::gpipe{}, k, m, checkpointed);
-      else if (name == "one_f_one_b") p = sched::plan(sched::one_f_one_b{}, k, m, checkpointed);
-      else if (name == "zero_bubble_h1") p = sched::plan(sched::zero_bubble_h1{}, k, m, checkpointed);
-      else return usage("--offload applies to gpipe, one_f_one_b and zero_bubble_h1");
+      if (name == "gpipe")
+        p = sched::plan(sched::gpipe{}, k, m, checkpointed);
+      else if (name == "one_f_one_b")
+        p = sched::plan(sched::one_f_one_b{}, k, m, checkpointed);
+      else if (name == "zero_bubble_h1")
+        p = sched::plan(sched::zero_bubble_h1{}, k, m, checkpointed);
+      else
+        return usage("--offload applies to gpipe, one_f_one_b and zero_bubble_h1");
       sim = sched::simulate(sched::offload(p, {.costs = costs}), costs);
       label += ", offload";
     }

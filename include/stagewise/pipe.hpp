@@ -77,7 +77,8 @@ class PipeImpl : public detail::PipeOver<runtime::MailboxTransport> {
   /// stage's predicted peak (print it with `to_string()`).
   ///   std::cout << pipe->memory_plan().to_string();
   const schedule::MemoryPlan& memory_plan() const {
-    TORCH_CHECK(options().memory_plan(), "stagewise::Pipe::memory_plan: the pipe has no memory "
+    TORCH_CHECK(options().memory_plan(),
+                "stagewise::Pipe::memory_plan: the pipe has no memory "
                 "budget; build it from a Sequential with PipeOptions().memory_budget(bytes, "
                 "sample)");
     return *options().memory_plan();

@@ -22,10 +22,9 @@ using sw::testing::error_of;
 namespace {
 
 torch::nn::Sequential model() {
-  return torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 4), torch::nn::Tanh());
+  return torch::nn::Sequential(
+      torch::nn::Linear(8, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32), torch::nn::Tanh(),
+      torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 4), torch::nn::Tanh());
 }
 
 const sw::balance b{2, 2, 2, 2};
@@ -54,8 +53,8 @@ TEST_SUITE("memory budget") {
     torch::manual_seed(2);
     auto planned_model = model();
     auto planned = sw::Pipe(planned_model, b,
-                            sw::PipeOptions().chunks(8).memory_budget(smallest, sample,
-                                                                      sw::runtime::HostStore(), gpipe));
+                            sw::PipeOptions().chunks(8).memory_budget(
+                                smallest, sample, sw::runtime::HostStore(), gpipe));
     const auto& plan = planned->memory_plan();
     CHECK(plan.offload);
     CHECK(planned->options().checkpoint() == plan.checkpoint);
@@ -68,7 +67,9 @@ TEST_SUITE("memory budget") {
     auto hand = sw::Pipe(hand_model, b, sw::PipeOptions().chunks(8).checkpoint(plan.checkpoint));
     const auto x = torch::randn({128, 8});
     const auto t = torch::randn({128, 4});
-    auto loss = [](const torch::Tensor& y, const torch::Tensor& z) { return torch::mse_loss(y, z); };
+    auto loss = [](const torch::Tensor& y, const torch::Tensor& z) {
+      return torch::mse_loss(y, z);
+    };
     sched::Timeline timeline;
     torch::manual_seed(6);
     const auto a = planned->train_step(x, t, loss, sched::gpipe{}, &timeline);
@@ -88,12 +89,16 @@ TEST_SUITE("memory budget") {
       (void)sw::Pipe(model(), b,
                      sw::PipeOptions().chunks(8).memory_budget(1000, torch::randn({16, 8})));
     });
-    CHECK(contains(e, "stagewise::PipeOptions().memory_budget: no plan of one_f_one_b with 8 "
-                      "micro-batches fits 1000 bytes of activations per stage; the smallest "
-                      "budget that fits is "));
-    CHECK(contains(e, " bytes. Give at least that, or more micro-batches (smaller ones), or a "
-                      "store to offload to"));
-    CHECK(contains(error_of([] { sw::PipeOptions().memory_budget(0, torch::randn({1, 1})); }),
+    CHECK(contains(e,
+                   "stagewise::PipeOptions().memory_budget: no plan of one_f_one_b with 8 "
+                   "micro-batches fits 1000 bytes of activations per stage; the smallest "
+                   "budget that fits is "));
+    CHECK(contains(e,
+                   " bytes. Give at least that, or more micro-batches (smaller ones), or a "
+                   "store to offload to"));
+    CHECK(contains(error_of([] {
+                     sw::PipeOptions().memory_budget(0, torch::randn({1, 1}));
+                   }),
                    "stagewise::PipeOptions: memory_budget is 0 bytes; give a positive number"));
   }
 

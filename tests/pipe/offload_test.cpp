@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include "tests/support/autocast.hpp"
 #include "tests/support/errors.hpp"
 #include "tests/support/pipe_layers.hpp"
 
@@ -65,7 +66,7 @@ struct Trained {
 // Three steps of `s` on a fresh model over `b`, with `store` (or none), with SGD or the fused
 // Adam step; the data and dropout draw from one seed, so two runs see the same numbers.
 Trained train(std::optional<sw::runtime::AnyStore> store, const sched::any_schedule& s,
-              const sw::balance& b, sw::Checkpoint mode, bool fused) {
+              const sw::balance& b, sw::Checkpoint mode, bool fused, bool autocast = false) {
   torch::manual_seed(5);
   auto m = model();
   auto options = sw::PipeOptions().chunks(8).checkpoint(mode);  // DualPipeV needs 2 x workers
@@ -81,6 +82,8 @@ Trained train(std::optional<sw::runtime::AnyStore> store, const sched::any_sched
     const auto x = torch::randn({15, 6});  // 8 micro-batches, the last smaller
     const auto t = torch::randn({15, 3});
     sched::Timeline timeline;
+    std::optional<sw::testing::CpuAutocastRegion> region;
+    if (autocast) region.emplace();  // bf16 on the CPU, captured by the workers
     if (fused) {
       out.losses.push_back(pipe->train_step(x, t, mse, *adam, s, &timeline).item<float>());
     } else {
@@ -89,7 +92,8 @@ Trained train(std::optional<sw::runtime::AnyStore> store, const sched::any_sched
       sgd.step();
     }
     out.offloads = 0;
-    for (const auto& a : timeline.actions) out.offloads += a.action.kind == sched::ActionKind::offload;
+    for (const auto& a : timeline.actions)
+      out.offloads += a.action.kind == sched::ActionKind::offload;
   }
   for (const auto& p : m->parameters()) out.parameters.push_back(p.detach().clone());
   return out;
@@ -98,7 +102,8 @@ Trained train(std::optional<sw::runtime::AnyStore> store, const sched::any_sched
 void check_same(const Trained& a, const Trained& b) {
   CHECK(a.losses == b.losses);
   REQUIRE(a.parameters.size() == b.parameters.size());
-  for (std::size_t k = 0; k < a.parameters.size(); ++k) CHECK(a.parameters[k].equal(b.parameters[k]));
+  for (std::size_t k = 0; k < a.parameters.size(); ++k)
+    CHECK(a.parameters[k].equal(b.parameters[k]));
 }
 
 }  // namespace
@@ -115,7 +120,8 @@ TEST_SUITE("offload") {
          sw::balance{1, 1, 1, 1, 1, 1, 1, 1}},
         {sched::any_schedule("v_half", sched::v_half{}), sw::balance{1, 1, 1, 1, 1, 1, 1, 1}},
         {sched::any_schedule("v_min", sched::v_min{}), sw::balance{1, 1, 1, 1, 1, 1, 1, 1}},
-        {sched::any_schedule("dualpipe_v", sched::dualpipe_v{}), sw::balance{1, 1, 1, 1, 1, 1, 1, 1}},
+        {sched::any_schedule("dualpipe_v", sched::dualpipe_v{}),
+         sw::balance{1, 1, 1, 1, 1, 1, 1, 1}},
     };
     const std::string dir = temp_dir("schedules");
     for (const auto& [s, b] : cases) {
@@ -138,18 +144,31 @@ TEST_SUITE("offload") {
     for (const auto& s : {sched::any_schedule("one_f_one_b", sched::one_f_one_b{}),
                           sched::any_schedule("zero_bubble_h1", sched::zero_bubble_h1{})}) {
       CAPTURE(s.name());
-      const auto plain = train(std::nullopt, s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, true);
-      const auto file =
-          train(sw::runtime::FileStore(dir), s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, true);
+      const auto plain =
+          train(std::nullopt, s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, true);
+      const auto file = train(sw::runtime::FileStore(dir), s, sw::balance{2, 2, 2, 2},
+                              sw::Checkpoint::always, true);
       CHECK(file.offloads > 0);
       check_same(plain, file);
     }
   }
 
+  TEST_CASE("offload under CPU autocast equals the autocast step without it") {
+    const auto s = sched::any_schedule("one_f_one_b", sched::one_f_one_b{});
+    const auto plain =
+        train(std::nullopt, s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, false, true);
+    const auto host = train(sw::runtime::HostStore(), s, sw::balance{2, 2, 2, 2},
+                            sw::Checkpoint::always, false, true);
+    CHECK(host.offloads > 0);
+    check_same(plain, host);
+  }
+
   TEST_CASE("without checkpointing nothing is offloaded, and the pipe trains as without a store") {
     const auto s = sched::any_schedule("one_f_one_b", sched::one_f_one_b{});
-    const auto plain = train(std::nullopt, s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::never, false);
-    const auto host = train(sw::runtime::HostStore(), s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::never, false);
+    const auto plain =
+        train(std::nullopt, s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::never, false);
+    const auto host =
+        train(sw::runtime::HostStore(), s, sw::balance{2, 2, 2, 2}, sw::Checkpoint::never, false);
     CHECK(host.offloads == 0);
     check_same(plain, host);
   }
@@ -159,27 +178,29 @@ TEST_SUITE("offload") {
     (void)train(sw::runtime::FileStore(dir), sched::any_schedule("gpipe", sched::gpipe{}),
                 sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, false);
     CHECK_FALSE(std::filesystem::exists(dir + "/stage0.offload"));  // stage 0 keeps its inputs
-    for (int j = 1; j < 4; ++j) CHECK(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
+    for (int j = 1; j < 4; ++j)
+      CHECK(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
   }
 
-  TEST_CASE("a missing directory fails the step, naming the store and the fix; the next step is right") {
+  TEST_CASE(
+      "a missing directory fails the step, naming the store and the fix; the next step is right") {
     const std::string dir = temp_dir("missing") + "/not_yet";
     torch::manual_seed(5);
     auto with = model();
     torch::manual_seed(5);
     auto without = model();
     const auto options = sw::PipeOptions().chunks(4).checkpoint(sw::Checkpoint::always);
-    auto offloading = sw::Pipe(with, sw::balance{2, 2, 2, 2},
-                               sw::PipeOptions(options).offload(sw::runtime::FileStore(dir),
-                                                                {.costs = {.offload = 0.0}}));
+    auto offloading = sw::Pipe(
+        with, sw::balance{2, 2, 2, 2},
+        sw::PipeOptions(options).offload(sw::runtime::FileStore(dir), {.costs = {.offload = 0.0}}));
     auto plain = sw::Pipe(without, sw::balance{2, 2, 2, 2}, options);
     const auto x = torch::randn({10, 6});
     const auto t = torch::randn({10, 3});
     const auto e = error_of([&] { offloading->train_step(x, t, mse, sched::one_f_one_b{}); });
     CHECK(contains(e, "stagewise::FileStore('" + dir + "'): cannot open '" + dir +
                           "/stage1.offload' for stage 1's offloaded activations (No such file or "
-                          "directory); create the directory '" + dir +
-                          "' and make it writable, or give FileStore a directory that is"));
+                          "directory); create the directory '" +
+                          dir + "' and make it writable, or give FileStore a directory that is"));
     // Nothing was touched: no gradient, and after the directory exists the step is the plain one.
     for (const auto& p : with->parameters()) CHECK_FALSE(p.grad().defined());
     std::filesystem::create_directories(dir);
@@ -196,9 +217,8 @@ TEST_SUITE("offload") {
   TEST_CASE("a store is checked: an empty directory name is refused with the fix") {
     CHECK(contains(error_of([] { sw::runtime::FileStore(""); }),
                    "stagewise::FileStore: the directory is empty; name the directory"));
-    CHECK(contains(error_of([] {
-                     sw::PipeOptions().offload(sw::runtime::HostStore(), {.round_trips = -1});
-                   }),
-                   "stagewise::PipeOptions: offload's round_trips is -1"));
+    CHECK(contains(
+        error_of([] { sw::PipeOptions().offload(sw::runtime::HostStore(), {.round_trips = -1}); }),
+        "stagewise::PipeOptions: offload's round_trips is -1"));
   }
 }

@@ -1,8 +1,8 @@
 // plan_memory: the fastest checkpoint mode and offload choice whose predicted peak fits a budget,
 // and the refusal naming the smallest budget that would.
+#include "stagewise/schedule/memory_plan.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/schedule/memory_plan.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 
 #include "tests/support/errors.hpp"
@@ -61,17 +61,20 @@ TEST_SUITE("memory plan") {
     CHECK(worst(p) <= 215);
     const std::string text = p.to_string();
     const std::string mode = sw::to_string(p.checkpoint);
-    CHECK(contains(text, "memory plan for gpipe, 8 micro-batches, budget 215 bytes per stage: "
-                         "checkpoint " + mode + ", offload"));
+    CHECK(contains(text,
+                   "memory plan for gpipe, 8 micro-batches, budget 215 bytes per stage: "
+                   "checkpoint " +
+                       mode + ", offload"));
     CHECK(contains(text, "  stage 1: checkpoint " + mode + ", offloads "));
     CHECK(contains(text, "  considered: never: step "));
   }
 
   TEST_CASE("a budget nothing fits is refused with the smallest that would") {
     const auto e = error_of([] { (void)sched::plan_memory(gpipe, 8, stages, 100); });
-    CHECK(contains(e, "stagewise::PipeOptions().memory_budget: no plan of gpipe with 8 "
-                      "micro-batches fits 100 bytes of activations per stage; the smallest "
-                      "budget that fits is "));
+    CHECK(contains(e,
+                   "stagewise::PipeOptions().memory_budget: no plan of gpipe with 8 "
+                   "micro-batches fits 100 bytes of activations per stage; the smallest "
+                   "budget that fits is "));
     // The number it names fits.
     const auto at = e.find("fits is ") + 8;
     const auto smallest = std::stoll(e.substr(at));

@@ -1,10 +1,10 @@
 // Offload O and reload L as schedule actions: the verifier's rules, the pass that places them from
 // costs, and what the simulator, peak_bytes and the timelines make of them.
+#include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/chrome_trace.hpp"
 #include "stagewise/schedule/csv.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
-#include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
@@ -31,13 +31,27 @@ using stagewise::testing::error_of;
 
 namespace {
 
-Action F(int micro, int stage) { return {stage, ActionKind::forward, micro}; }
-Action B(int micro, int stage) { return {stage, ActionKind::backward, micro}; }
-Action I(int micro, int stage) { return {stage, ActionKind::input_grad, micro}; }
-Action W(int micro, int stage) { return {stage, ActionKind::weight_grad, micro}; }
-Action R(int micro, int stage) { return {stage, ActionKind::recompute, micro}; }
-Action O(int micro, int stage) { return {stage, ActionKind::offload, micro}; }
-Action L(int micro, int stage) { return {stage, ActionKind::reload, micro}; }
+Action F(int micro, int stage) {
+  return {stage, ActionKind::forward, micro};
+}
+Action B(int micro, int stage) {
+  return {stage, ActionKind::backward, micro};
+}
+Action I(int micro, int stage) {
+  return {stage, ActionKind::input_grad, micro};
+}
+Action W(int micro, int stage) {
+  return {stage, ActionKind::weight_grad, micro};
+}
+Action R(int micro, int stage) {
+  return {stage, ActionKind::recompute, micro};
+}
+Action O(int micro, int stage) {
+  return {stage, ActionKind::offload, micro};
+}
+Action L(int micro, int stage) {
+  return {stage, ActionKind::reload, micro};
+}
 
 using stagewise::testing::listed;
 
@@ -84,8 +98,7 @@ TEST_SUITE("offload actions") {
   }
 
   TEST_CASE("an offload reloaded once between its F and its use passes") {
-    CHECK(problem({F(0, 0), O(0, 0), F(1, 0), L(0, 0), R(0, 0), B(0, 0), B(1, 0)}) ==
-          "(no error)");
+    CHECK(problem({F(0, 0), O(0, 0), F(1, 0), L(0, 0), R(0, 0), B(0, 0), B(1, 0)}) == "(no error)");
     CHECK(problem({F(0, 0), O(0, 0), L(0, 0), B(0, 0), F(1, 0), B(1, 0)}) == "(no error)");
     CHECK(problem({F(0, 0), F(1, 0), O(0, 0), L(0, 0), I(0, 0), I(1, 0), W(0, 0), W(1, 0)}) ==
           "(no error)");
@@ -93,18 +106,20 @@ TEST_SUITE("offload actions") {
 
   TEST_CASE("a reload after its use is refused, naming both") {
     const auto e = problem({F(0, 0), O(0, 0), F(1, 0), R(0, 0), L(0, 0), B(0, 0), B(1, 0)});
-    CHECK(e == "stagewise::schedule::verify: L0@0 (action #4) comes after R0@0 (action #3), "
-               "which uses what O0@0 moved to the host; a reload must land before its use, so "
-               "yield L0@0 before R0@0");
+    CHECK(e ==
+          "stagewise::schedule::verify: L0@0 (action #4) comes after R0@0 (action #3), "
+          "which uses what O0@0 moved to the host; a reload must land before its use, so "
+          "yield L0@0 before R0@0");
     CHECK(contains(problem({F(0, 0), O(0, 0), B(0, 0), L(0, 0), F(1, 0), B(1, 0)}),
                    "L0@0 (action #3) comes after B0@0 (action #2)"));
   }
 
   TEST_CASE("an offload never reloaded is refused") {
     const auto e = problem({F(0, 0), O(0, 0), F(1, 0), R(0, 0), B(0, 0), B(1, 0)});
-    CHECK(e == "stagewise::schedule::verify: O0@0 is never reloaded, but R0@0 (action #3) uses "
-               "what it moved to the host; yield L0@0 between O0@0 and R0@0, or drop the "
-               "offload");
+    CHECK(e ==
+          "stagewise::schedule::verify: O0@0 is never reloaded, but R0@0 (action #3) uses "
+          "what it moved to the host; yield L0@0 between O0@0 and R0@0, or drop the "
+          "offload");
   }
 
   TEST_CASE("O and L out of place are named") {
@@ -120,8 +135,8 @@ TEST_SUITE("offload actions") {
     CHECK(contains(problem({F(0, 0), O(0, 0), L(0, 0), L(0, 0), B(0, 0), F(1, 0), B(1, 0)}),
                    "repeats the reload"));
     // On another stage it is another cell: stage 1's L has no O.
-    CHECK(contains(problem({F(0, 0), O(0, 0), F(0, 1), L(0, 1), B(0, 1), L(0, 0), B(0, 0),
-                            F(1, 0), F(1, 1), B(1, 1), B(1, 0)},
+    CHECK(contains(problem({F(0, 0), O(0, 0), F(0, 1), L(0, 1), B(0, 1), L(0, 0), B(0, 0), F(1, 0),
+                            F(1, 1), B(1, 1), B(1, 0)},
                            2, 2),
                    "L0@1 (action #3) reloads micro-batch 0 on stage 1, which has not been "
                    "offloaded"));
@@ -183,7 +198,8 @@ TEST_SUITE("offload actions") {
     const auto p = sched::plan(sched::one_f_one_b{}, 4, 8, 8);
     const sched::Costs costs{.offload = 0.2};
     const auto with = sched::offload(p, {.costs = costs});
-    CHECK(sched::simulate(with, costs).makespan() == doctest::Approx(sched::simulate(p, costs).makespan()));
+    CHECK(sched::simulate(with, costs).makespan() ==
+          doctest::Approx(sched::simulate(p, costs).makespan()));
     // A reload that cannot land in time delays its recompute.
     const sched::Costs slow{.offload = 0.2, .reload = 50.0};
     CHECK(sched::simulate(with, slow).makespan() > sched::simulate(p, slow).makespan() + 40.0);
@@ -201,7 +217,8 @@ TEST_SUITE("offload actions") {
   }
 
   TEST_CASE("timelines draw copies: thin SVG bars, a track of their own in Chrome traces") {
-    const auto p = sched::offload(sched::plan(sched::gpipe{}, 2, 4, 4), {.costs = {.offload = 0.5}});
+    const auto p =
+        sched::offload(sched::plan(sched::gpipe{}, 2, 4, 4), {.costs = {.offload = 0.5}});
     const auto sim = sched::simulate(p, {.offload = 0.5});
     const std::string svg = sched::to_svg(sim.timeline);
     CHECK(contains(svg, "O offload"));
@@ -212,13 +229,15 @@ TEST_SUITE("offload actions") {
     CHECK(contains(trace, "\"cat\":\"reload\""));
     CHECK(contains(trace, "\"name\":\"copies 0\""));
     // The bubble counts compute only.
-    CHECK(sim.timeline.bubble() == doctest::Approx(sched::simulate(sched::plan(sched::gpipe{}, 2, 4, 4)).bubble()));
+    CHECK(sim.timeline.bubble() ==
+          doctest::Approx(sched::simulate(sched::plan(sched::gpipe{}, 2, 4, 4)).bubble()));
     // PyTorch's CSV grammar has no copies: they are left out.
     CHECK(sched::to_csv(p) == sched::to_csv(sched::plan(sched::gpipe{}, 2, 4, 4)));
   }
 
   TEST_CASE("the pass refuses a plan that already offloads") {
-    const auto with = sched::offload(sched::plan(sched::gpipe{}, 2, 4, 4), {.costs = {.offload = 0.0}});
+    const auto with =
+        sched::offload(sched::plan(sched::gpipe{}, 2, 4, 4), {.costs = {.offload = 0.0}});
     CHECK(contains(error_of([&] { (void)sched::offload(with, {}); }),
                    "stagewise::schedule::offload: the plan already has O"));
   }

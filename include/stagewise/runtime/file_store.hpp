@@ -24,9 +24,10 @@ namespace stagewise::runtime {
 /// user names (a local NVMe disk, say). Offloading writes a cell's kept tensors to its stage's file
 /// and drops them from memory; reloading reads them back onto the stage's device. A stage's file
 /// is reused from its start whenever every tensor in it has been reloaded (each step, at the
-/// latest), so it never holds more than one step's offloads. A missing or unwritable directory fails the step before anything runs;
-/// a failed write (disk full) fails it at the offload, and in both cases the error names the
-/// store and the fix. The directory is not created: name one that exists.
+/// latest), so it never holds more than one step's offloads. A missing or unwritable directory
+/// fails the step before anything runs; a failed write (disk full) fails it at the offload, and in
+/// both cases the error names the store and the fix. The directory is not created: name one that
+/// exists.
 ///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::FileStore("/nvme/offload"));
 class FileStore {
  public:
@@ -39,7 +40,8 @@ class FileStore {
   /// Opens (or reopens) the files of `stages`, each from its start.
   void begin_step(const std::vector<int>& stages) {
     for (int j : stages) {
-      if (static_cast<std::size_t>(j) >= files_.size()) files_.resize(static_cast<std::size_t>(j) + 1);
+      if (static_cast<std::size_t>(j) >= files_.size())
+        files_.resize(static_cast<std::size_t>(j) + 1);
       auto& f = files_[static_cast<std::size_t>(j)];
       if (!f) f = std::make_unique<StageFile>();
       f->records.clear();  // what a failed step left
@@ -47,9 +49,9 @@ class FileStore {
       if (f->fd >= 0) continue;
       const std::string path = path_of(j);
       f->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-      TORCH_CHECK(f->fd >= 0, "stagewise::", describe(), ": cannot open '", path,
-                  "' for stage ", j, "'s offloaded activations (", std::strerror(errno),
-                  "); create the directory '", dir_,
+      TORCH_CHECK(f->fd >= 0, "stagewise::", describe(), ": cannot open '", path, "' for stage ", j,
+                  "'s offloaded activations (", std::strerror(errno), "); create the directory '",
+                  dir_,
                   "' and make it writable, or give FileStore a directory that is (e.g. on a "
                   "local NVMe disk)");
     }
@@ -119,7 +121,7 @@ class FileStore {
       if (fd >= 0) ::close(fd);
     }
     int fd = -1;
-    std::int64_t end = 0;                     // where the next tensor goes
+    std::int64_t end = 0;                        // where the next tensor goes
     std::map<int, std::vector<Record>> records;  // per micro-batch; touched by the stage's worker
   };
 

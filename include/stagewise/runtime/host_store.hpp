@@ -101,8 +101,8 @@ class HostStore {
       const c10::Stream compute = current_stream(device);
       const c10::Stream in = state_->stream(device, /*to_host=*/false);
       h.landed->block(in);  // the offload's copy has filled the buffer
-      torch::Tensor back = torch::empty(h.tensor.sizes(), h.tensor.options().device(device)
-                                                              .pinned_memory(false));
+      torch::Tensor back =
+          torch::empty(h.tensor.sizes(), h.tensor.options().device(device).pinned_memory(false));
       {
         c10::StreamGuard guard(in);
         back.copy_(h.tensor, /*non_blocking=*/true);

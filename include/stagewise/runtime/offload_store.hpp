@@ -41,8 +41,8 @@ concept offload_store = requires(S& s, const std::vector<int>& stages, const Sto
 class AnyStore {
  public:
   template <offload_store S>
-    requires(!std::same_as<std::decay_t<S>, AnyStore>)
-  AnyStore(S store)  // NOLINT: implicit, as any store converts
+  requires(!std::same_as<std::decay_t<S>, AnyStore>)
+      AnyStore(S store)  // NOLINT: implicit, as any store converts
       : self_(std::make_shared<Model<S>>(std::move(store))) {}
 
   void begin_step(const std::vector<int>& stages) { self_->begin_step(stages); }

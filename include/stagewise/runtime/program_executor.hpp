@@ -173,8 +173,8 @@ std::vector<torch::Tensor*> kept_by(ActionContext<Transport>& c, const schedule:
   std::vector<torch::Tensor*> kept;
   for (auto& t : c.cell.leaves) kept.push_back(&t);
   if (c.step.skips) {
-    for (auto* t : c.step.skips->popped_slots(static_cast<std::size_t>(c.j),
-                                              static_cast<std::size_t>(c.i))) {
+    for (auto* t :
+         c.step.skips->popped_slots(static_cast<std::size_t>(c.j), static_cast<std::size_t>(c.i))) {
       kept.push_back(t);
     }
   }

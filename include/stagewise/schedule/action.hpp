@@ -18,7 +18,9 @@ enum class ActionKind : char {
 
 /// Whether `k` is a copy (offload O or reload L): copies run beside the compute, on copy streams
 /// of their own, so the simulator puts them on a worker's copy lanes and not on its clock.
-constexpr bool is_copy(ActionKind k) { return k == ActionKind::offload || k == ActionKind::reload; }
+constexpr bool is_copy(ActionKind k) {
+  return k == ActionKind::offload || k == ActionKind::reload;
+}
 
 /// One action of a schedule: stage `stage` does `kind` for micro-batch `micro`.
 ///   stagewise::schedule::Action{0, ActionKind::forward, 3}  // printed as "F3@0"

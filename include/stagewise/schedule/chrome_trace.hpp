@@ -38,8 +38,9 @@ inline const char* trace_category(ActionKind k) {
 
 /// A timeline as Chrome-trace JSON (the Trace Event Format), to open in Perfetto
 /// (ui.perfetto.dev) or chrome://tracing: one complete event ("ph":"X") per action, named like
-/// "F3", on one track per worker (copies O and L on a second track per worker), with the stage and micro-batch in its args. Times start at 0;
-/// `us_per_unit` converts the timeline's unit to microseconds (1 for a recorded step).
+/// "F3", on one track per worker (copies O and L on a second track per worker), with the stage and
+/// micro-batch in its args. Times start at 0; `us_per_unit` converts the timeline's unit to
+/// microseconds (1 for a recorded step).
 ///   stagewise::schedule::Timeline t;
 ///   pipe->train_step(x, y, loss_fn, stagewise::schedule::one_f_one_b{}, &t);
 ///   std::ofstream("step.json") << stagewise::schedule::to_chrome_trace(t);

@@ -32,8 +32,8 @@ struct StageMemory {
 /// per stage the predicted peak of activation bytes, with the simulated step time. Print it with
 /// `to_string()`.
 struct MemoryPlan {
-  std::int64_t budget = 0;     ///< bytes per stage
-  std::string schedule;        ///< the schedule it was planned for
+  std::int64_t budget = 0;  ///< bytes per stage
+  std::string schedule;     ///< the schedule it was planned for
   int micro_batches = 0;
   Checkpoint checkpoint = Checkpoint::except_last;
   bool offload = false;

@@ -27,8 +27,8 @@ struct OffloadCosts {
 namespace detail {
 
 inline bool may_offload(const OffloadCosts& c, int stage) {
-  return c.stages.empty() ||
-         (static_cast<std::size_t>(stage) < c.stages.size() && c.stages[static_cast<std::size_t>(stage)]);
+  return c.stages.empty() || (static_cast<std::size_t>(stage) < c.stages.size() &&
+                              c.stages[static_cast<std::size_t>(stage)]);
 }
 
 }  // namespace detail
@@ -45,8 +45,8 @@ inline bool may_offload(const OffloadCosts& c, int stage) {
 ///   auto p = stagewise::schedule::plan(stagewise::schedule::one_f_one_b{}, 4, 8, 8);
 ///   auto with = stagewise::schedule::offload(p, {.costs = {.offload = 0.25}});
 inline Plan offload(const Plan& p, const OffloadCosts& c) {
-  TORCH_CHECK(c.round_trips >= 0.0, "stagewise::schedule::offload: round_trips is ",
-              c.round_trips, "; give 0 or more (3: keep a pair only where the gap hides three copies)");
+  TORCH_CHECK(c.round_trips >= 0.0, "stagewise::schedule::offload: round_trips is ", c.round_trips,
+              "; give 0 or more (3: keep a pair only where the gap hides three copies)");
   for (const auto& program : p.programs) {
     for (const auto& a : program) {
       TORCH_CHECK(!is_copy(a.kind), "stagewise::schedule::offload: the plan already has ",
@@ -89,9 +89,8 @@ inline Plan offload(const Plan& p, const OffloadCosts& c) {
       if (use - forward_end[cell(a)] < gap_needed) continue;
       // The R's position, and the first action after the F that starts late enough.
       std::size_t r = k + 1;
-      while (r < program.size() &&
-             !(program[r].kind == ActionKind::recompute && program[r].stage == a.stage &&
-               program[r].micro == a.micro)) {
+      while (r < program.size() && !(program[r].kind == ActionKind::recompute &&
+                                     program[r].stage == a.stage && program[r].micro == a.micro)) {
         ++r;
       }
       // Issued before the last action that starts by then: a worker reaches an action no
@@ -107,7 +106,8 @@ inline Plan offload(const Plan& p, const OffloadCosts& c) {
     for (std::size_t k = 0; k < program.size(); ++k) {
       for (const auto& l : reloads_before[k]) laid.push_back(l);
       laid.push_back(program[k]);
-      if (offload_after[k]) laid.push_back({program[k].stage, ActionKind::offload, program[k].micro});
+      if (offload_after[k])
+        laid.push_back({program[k].stage, ActionKind::offload, program[k].micro});
     }
   }
   verify(out);

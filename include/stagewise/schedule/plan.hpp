@@ -104,10 +104,12 @@ inline Plan lay_out(const std::vector<Action>& actions, int stages, int micro_ba
 ///   if (auto problem = stagewise::schedule::check(p)) std::cerr << *problem;
 inline std::optional<std::string> check(const Plan& p) {
   std::vector<Action> actions;
-  for (const auto& program : p.programs) actions.insert(actions.end(), program.begin(), program.end());
+  for (const auto& program : p.programs)
+    actions.insert(actions.end(), program.begin(), program.end());
   std::vector<int> placement;
   for (int k = 0; k < p.stages; ++k) placement.push_back(p.worker_of(k));
-  if (auto problem = detail::first_problem(actions, p.stages, p.micro_batches, placement, p.workers)) {
+  if (auto problem =
+          detail::first_problem(actions, p.stages, p.micro_batches, placement, p.workers)) {
     return problem;
   }
   std::vector<char> recomputed(actions.size() > 0 ? static_cast<std::size_t>(p.stages) *

@@ -103,9 +103,9 @@ struct CellBytes {
 /// a worker performs its actions in order: + forward at F, + (input_grad - forward) at I,
 /// - input_grad at W, - forward at B; a checkpointed cell + kept at F, + (forward - kept) at R,
 /// and - kept at its O, + kept at its L (an offload's bytes leave when it is issued: an upper
-/// bound on the saving, since a CUDA copy frees them only once it has landed). `bytes[s]` for stage s, or one entry for every stage; with
-/// `CellBytes{}` this is `Simulation::worker_peak_in_flight`. While a B, an I or a W runs, its
-/// working bytes count too.
+/// bound on the saving, since a CUDA copy frees them only once it has landed). `bytes[s]` for stage
+/// s, or one entry for every stage; with `CellBytes{}` this is `Simulation::worker_peak_in_flight`.
+/// While a B, an I or a W runs, its working bytes count too.
 ///   auto peak = stagewise::schedule::peak_bytes(plan, {{131072, 196608}});
 inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBytes>& bytes) {
   TORCH_CHECK(bytes.size() == 1 || static_cast<int>(bytes.size()) == plan.stages,

@@ -143,8 +143,8 @@ inline std::string to_svg(const Timeline& t, const SvgOptions& options = {}) {
     const double y = top + a.worker * (row + gap) + (copy ? row - h : 0.0);
     const int chunk = t.workers > 0 ? a.action.stage / t.workers : 0;
     s += "<rect x=\"" + svg_number(x) + "\" y=\"" + svg_number(y) + "\" width=\"" + svg_number(w) +
-         "\" height=\"" + svg_number(h) + "\" fill=\"" + detail::svg_colour(a.action.kind) +
-         "\"" + (chunk % 2 == 1 ? " fill-opacity=\"0.6\"" : "") +
+         "\" height=\"" + svg_number(h) + "\" fill=\"" + detail::svg_colour(a.action.kind) + "\"" +
+         (chunk % 2 == 1 ? " fill-opacity=\"0.6\"" : "") +
          " stroke=\"#ffffff\" stroke-width=\"0.5\"><title>" + to_string(a.action) + " " +
          svg_number(a.start - t0) + "-" + svg_number(a.end - t0) + " " +
          detail::svg_escape(t.unit) + "</title></rect>\n";
@@ -155,9 +155,9 @@ inline std::string to_svg(const Timeline& t, const SvgOptions& options = {}) {
     }
   }
   double x = label_width;
-  for (auto k : {ActionKind::forward, ActionKind::backward, ActionKind::input_grad,
-                 ActionKind::weight_grad, ActionKind::recompute, ActionKind::offload,
-                 ActionKind::reload}) {
+  for (auto k :
+       {ActionKind::forward, ActionKind::backward, ActionKind::input_grad, ActionKind::weight_grad,
+        ActionKind::recompute, ActionKind::offload, ActionKind::reload}) {
     if (std::none_of(t.actions.begin(), t.actions.end(),
                      [&](const TimedAction& a) { return a.action.kind == k; })) {
       continue;

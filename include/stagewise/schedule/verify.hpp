@@ -67,7 +67,8 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
   std::vector<std::size_t> reload_at(seen.size(), static_cast<std::size_t>(-1));
   for (std::size_t p = actions.size(); p-- > 0;) {
     const Action& a = actions[p];
-    if (a.kind == ActionKind::reload && a.stage >= 0 && a.stage < n && a.micro >= 0 && a.micro < m) {
+    if (a.kind == ActionKind::reload && a.stage >= 0 && a.stage < n && a.micro >= 0 &&
+        a.micro < m) {
       reload_at[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
                 static_cast<std::size_t>(a.micro)] = p;
     }
@@ -89,9 +90,9 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
                               static_cast<std::size_t>(a.micro);
     auto& cell = seen[index];
     const std::string where = " on stage " + std::to_string(a.stage);
-    const bool uses_kept = a.kind == ActionKind::recompute ||
-                           ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) &&
-                            !(cell & rc));
+    const bool uses_kept =
+        a.kind == ActionKind::recompute ||
+        ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !(cell & rc));
     if (uses_kept && (cell & f) && (cell & o) && !(cell & l) && !(cell & (b | i))) {
       return used_while_away(a, p, reload_at[index]);
     }

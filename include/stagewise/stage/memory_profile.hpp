@@ -19,7 +19,8 @@ namespace stagewise {
 /// `schedule::plan_memory`: its activations (`profile_sizes`, parameters left out) and what it
 /// keeps when checkpointed (the bytes of its input; skips it pops are not counted). Measured on
 /// copies of the layers, as `profile_sizes` is; the model is left as it was.
-///   auto memory = stagewise::profile_stage_memory(model, sw::balance{2, 2}, torch::randn({64, 256}));
+///   auto memory = stagewise::profile_stage_memory(model, sw::balance{2, 2}, torch::randn({64,
+///   256}));
 inline std::vector<schedule::StageMemory> profile_stage_memory(const torch::nn::Sequential& model,
                                                                const balance& b,
                                                                const Batch& sample,
@@ -48,7 +49,8 @@ inline std::vector<schedule::StageMemory> profile_stage_memory(const torch::nn::
   for (auto k : b) {
     schedule::StageMemory m;
     m.kept = inputs[first];
-    for (std::size_t l = first; l < first + static_cast<std::size_t>(k); ++l) m.activations += sizes[l];
+    for (std::size_t l = first; l < first + static_cast<std::size_t>(k); ++l)
+      m.activations += sizes[l];
     out.push_back(m);
     first += static_cast<std::size_t>(k);
   }

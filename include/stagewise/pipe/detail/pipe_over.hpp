@@ -14,8 +14,8 @@
 #include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
-#include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/offload_step.hpp"  // #34 offload
+#include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
