@@ -21,21 +21,7 @@ using stagewise::testing::error_of;
 
 namespace {
 
-Action F(int micro, int stage) {
-  return {stage, ActionKind::forward, micro};
-}
-Action B(int micro, int stage) {
-  return {stage, ActionKind::backward, micro};
-}
-Action I(int micro, int stage) {
-  return {stage, ActionKind::input_grad, micro};
-}
-Action W(int micro, int stage) {
-  return {stage, ActionKind::weight_grad, micro};
-}
-Action R(int micro, int stage) {
-  return {stage, ActionKind::recompute, micro};
-}
+using namespace stagewise::testing::actions;
 
 using stagewise::testing::listed;
 

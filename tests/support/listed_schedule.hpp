@@ -26,4 +26,30 @@ inline std::string schedule_problem(std::vector<schedule::Action> actions, int n
   return error_of([&] { schedule::verify(listed{std::move(actions)}, n, m); });
 }
 
+/// Short names for actions in tests: F(micro, stage) is the forward of `micro` on `stage`, and so
+/// on for B, I, W, R (recompute), O (offload) and L (reload).
+namespace actions {
+inline schedule::Action F(int micro, int stage) {
+  return {stage, schedule::ActionKind::forward, micro};
+}
+inline schedule::Action B(int micro, int stage) {
+  return {stage, schedule::ActionKind::backward, micro};
+}
+inline schedule::Action I(int micro, int stage) {
+  return {stage, schedule::ActionKind::input_grad, micro};
+}
+inline schedule::Action W(int micro, int stage) {
+  return {stage, schedule::ActionKind::weight_grad, micro};
+}
+inline schedule::Action R(int micro, int stage) {
+  return {stage, schedule::ActionKind::recompute, micro};
+}
+inline schedule::Action O(int micro, int stage) {
+  return {stage, schedule::ActionKind::offload, micro};
+}
+inline schedule::Action L(int micro, int stage) {
+  return {stage, schedule::ActionKind::reload, micro};
+}
+}  // namespace actions
+
 }  // namespace stagewise::testing
