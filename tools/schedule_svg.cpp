@@ -1,22 +1,25 @@
 // schedule_svg: simulates a pipeline schedule and draws its timeline as an SVG picture.
 //   schedule_svg --schedule=one_f_one_b --stages=4 --micro=8 [--virtual=2] [--costs=1,1,1]
-//                [--checkpointed=0] [--title=TEXT] --out=file.svg
+//                [--checkpointed=0] [--offload=COPY] [--title=TEXT] --out=file.svg
+// --offload=COPY places offloads and reloads (schedule::offload) with copies of that time, for the
+// checkpointed micro-batches of gpipe, one_f_one_b and zero_bubble_h1.
 // --stages is the number of workers K. With --schedule=interleaved_one_f_one_b or looped_bfs and
 // --virtual=v the model is cut into v x K stages, each costing 1/v of a whole stage; the
-// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per worker, costing
-// 1/2 each), so pictures of different schedules show the same model. --costs are T_F, T_B
-// (input-gradient part) and T_W. Prints the makespan, the bubble and the peak micro-batches in
-// flight.
+// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per
+// worker, costing 1/2 each), so pictures of different schedules show the same model. --costs are
+// T_F, T_B (input-gradient part) and T_W. Prints the makespan, the bubble and the peak
+// micro-batches in flight.
 #include "stagewise/schedule/dualpipe_v.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/interleaved.hpp"
 #include "stagewise/schedule/looped_bfs.hpp"
+#include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
-#include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/v_half.hpp"
 #include "stagewise/schedule/v_min.hpp"
+#include "stagewise/schedule/zero_bubble.hpp"
 #include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
@@ -38,7 +41,7 @@ int usage(const std::string& problem) {
       "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|looped_bfs|\n"
       "                               zero_bubble_h1|zero_bubble_v|dualpipe_v|v_half|v_min\n"
       "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
-      "                    [--title=TEXT] --out=FILE.svg\n",
+      "                    [--offload=COPY] [--title=TEXT] --out=FILE.svg\n",
       problem.c_str());
   return 2;
 }
@@ -129,6 +132,21 @@ int main(int argc, char** argv) {
       label = "ZB-H1";
     } else {
       return usage("unknown schedule '" + name + "'");
+    }
+    if (args.count("offload")) {
+      // Offloads placed by schedule::offload, copies of the given time (one stage per worker).
+      costs.offload = std::stod(args["offload"]);
+      sched::Plan p;
+      if (name == "gpipe")
+        p = sched::plan(sched::gpipe{}, k, m, checkpointed);
+      else if (name == "one_f_one_b")
+        p = sched::plan(sched::one_f_one_b{}, k, m, checkpointed);
+      else if (name == "zero_bubble_h1")
+        p = sched::plan(sched::zero_bubble_h1{}, k, m, checkpointed);
+      else
+        return usage("--offload applies to gpipe, one_f_one_b and zero_bubble_h1");
+      sim = sched::simulate(sched::offload(p, {.costs = costs}), costs);
+      label += ", offload";
     }
     std::string title = args.count("title") ? args["title"]
                                             : label + ": " + std::to_string(k) + " workers, " +

@@ -2,6 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
+#include "stagewise/pipe/detail/memory_budget.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
@@ -74,6 +75,16 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
 
   /// Number of stages.
   std::size_t num_stages() const { return stages_.size(); }
+  /// What `PipeOptions().memory_budget(...)` chose: checkpoint mode, offloaded cells, each
+  /// stage's predicted peak (print it with `to_string()`).
+  ///   std::cout << pipe->memory_plan().to_string();
+  const schedule::MemoryPlan& memory_plan() const {
+    TORCH_CHECK(options().memory_plan(),
+                "stagewise::Pipe::memory_plan: the pipe has no memory "
+                "budget; build it from a Sequential with PipeOptions().memory_budget(bytes, "
+                "sample)");
+    return *options().memory_plan();
+  }
   /// The device of stage `k`.
   torch::Device device(std::size_t k) const { return stage_at(k).device; }
   /// Number of layers: the Sequential's layers, or the stages of a typed stage list.
@@ -140,16 +151,24 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
 
   /// A pipeline over typed stages.
   explicit Pipe(stage_list<S...> list, PipeOptions options = {})
-      : torch::nn::ModuleHolder<PipeImpl>(
-            std::make_shared<PipeImpl>(list.specs(), std::move(options), modules_of(list))) {}
+      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
+            list.specs(), without_budget(std::move(options)), modules_of(list))) {}
 
   /// A pipeline over `seq`, split into stages of `b[k]` consecutive layers.
   template <class... T>
   requires(sizeof...(S) == 0 && sizeof...(T) == 0)
       Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
-      : Pipe(detail::with_deferred_batch_norm(seq, options), b, options, 0) {}
+      : Pipe(detail::with_deferred_batch_norm(seq, options), b,
+             detail::with_memory_plan(seq, b, options), 0) {}
 
  private:
+  static PipeOptions without_budget(PipeOptions options) {
+    TORCH_CHECK(!options.memory_budget(),
+                "stagewise::Pipe: memory_budget plans from the layers of a Sequential; build the "
+                "pipe from a torch::nn::Sequential and a balance, or set checkpoint(...) and "
+                "offload(...) yourself");
+    return options;
+  }
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
     for (auto& spec : list.specs()) {

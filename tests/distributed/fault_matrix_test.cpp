@@ -351,6 +351,12 @@ std::string context_text(const sched::Action& a) {
     case K::weight_grad:
       c.phase = sw::Phase::weight_grad;
       break;
+    case K::offload:
+      c.phase = sw::Phase::offload;
+      break;
+    case K::reload:
+      c.phase = sw::Phase::reload;
+      break;
   }
   return c.text();
 }

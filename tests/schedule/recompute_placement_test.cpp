@@ -6,6 +6,7 @@
 #include "stagewise/schedule/zero_bubble.hpp"
 
 #include "tests/support/errors.hpp"
+#include "tests/support/listed_schedule.hpp"
 
 #include <doctest/doctest.h>
 
@@ -20,31 +21,12 @@ using stagewise::testing::error_of;
 
 namespace {
 
-Action F(int micro, int stage) {
-  return {stage, ActionKind::forward, micro};
-}
-Action B(int micro, int stage) {
-  return {stage, ActionKind::backward, micro};
-}
-Action I(int micro, int stage) {
-  return {stage, ActionKind::input_grad, micro};
-}
-Action W(int micro, int stage) {
-  return {stage, ActionKind::weight_grad, micro};
-}
-Action R(int micro, int stage) {
-  return {stage, ActionKind::recompute, micro};
-}
+using namespace stagewise::testing::actions;
 
-struct listed {
-  std::vector<Action> actions;
-  generator<Action> operator()(int, int) const {
-    for (const auto& a : actions) co_yield a;
-  }
-};
+using stagewise::testing::listed;
 
 std::string problem(std::vector<Action> actions, int n = 1, int m = 2) {
-  return error_of([&] { sched::verify(listed{std::move(actions)}, n, m); });
+  return stagewise::testing::schedule_problem(std::move(actions), n, m);
 }
 
 // 1F1B that recomputes micro-batch i on each stage early, right after the forward of

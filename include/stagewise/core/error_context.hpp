@@ -19,6 +19,8 @@ enum class Phase {
   backward,     ///< the cell's backward
   input_grad,   ///< zero-bubble's input-gradient half of the backward (I)
   weight_grad,  ///< zero-bubble's weight-gradient half of the backward (W)
+  offload,      ///< moving a checkpointed cell's kept inputs to a host store (O)
+  reload,       ///< loading them back from the store (L)
 };
 
 namespace detail {
@@ -42,6 +44,10 @@ inline const char* to_string(Phase phase) {
       return "input-gradient backward";
     case Phase::weight_grad:
       return "weight-gradient backward";
+    case Phase::offload:
+      return "offload";
+    case Phase::reload:
+      return "reload";
   }
   return "unknown phase";
 }

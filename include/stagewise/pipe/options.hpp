@@ -1,16 +1,34 @@
 #pragma once
 
+#include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/schedule/any_schedule.hpp"
+#include "stagewise/schedule/memory_plan.hpp"
+#include "stagewise/schedule/offload.hpp"
+#include "stagewise/schedule/one_f_one_b.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace stagewise {
+
+/// What `PipeOptions().memory_budget(...)` was given: the budget in bytes of activations per
+/// stage, one micro-batch like those the pipe will run (to profile), the store offloads may use
+/// (none: no offload) and the schedule the plan is for.
+struct MemoryBudget {
+  std::int64_t bytes = 0;
+  Batch sample{torch::Tensor()};
+  std::optional<runtime::AnyStore> store;
+  schedule::any_schedule schedule{"one_f_one_b", schedule::one_f_one_b{}};
+  schedule::OffloadCosts costs{};
+};
 
 /// Options of a Pipe, as chained setters in LibTorch's style.
 ///   stagewise::PipeOptions().chunks(8).checkpoint(stagewise::Checkpoint::except_last)
@@ -47,7 +65,54 @@ class PipeOptions {
     return *this;
   }
 
+  /// Activation offload (default off): in `train_step`, what each checkpointed cell keeps (its
+  /// inputs and the skips it popped) goes to `store` after its forward and comes back before its
+  /// recompute, as offload O and reload L actions that `schedule::offload` places in the plan
+  /// from `costs`: only where the forward-to-backward gap hides `costs.round_trips` copies. With
+  /// `costs.stages` empty every stage but the first offloads (the caller's batch holds the
+  /// first's inputs anyway). Results are bit-identical to the same pipe without offload. Only
+  /// checkpointed cells offload: pair it with Checkpoint::always (or except_last). See
+  /// docs/memory.md.
+  ///   stagewise::PipeOptions().chunks(8).checkpoint("always")
+  ///       .offload(stagewise::runtime::FileStore("/nvme/offload"))
+  PipeOptions& offload(runtime::AnyStore store, schedule::OffloadCosts costs = {}) {
+    TORCH_CHECK(costs.round_trips >= 0.0, "stagewise::PipeOptions: offload's round_trips is ",
+                costs.round_trips, "; give 0 or more (3: a pair must hide three copies)");
+    offload_store_ = std::move(store);
+    offload_costs_ = std::move(costs);
+    return *this;
+  }
+
+  /// A memory budget (default none): a pipe built from a Sequential profiles each stage on
+  /// `sample` (one micro-batch) and picks, with `schedule::plan_memory`, the fastest checkpoint
+  /// mode and offload choice (to `store`, if given) whose predicted activation peak is at most
+  /// `bytes` on every stage for `sched`; it sets `checkpoint(...)` and `offload(...)` accordingly,
+  /// and `pipe->memory_plan()` prints what it chose. When nothing fits, construction fails naming
+  /// the smallest budget that would. The budget counts activations, not parameters, gradients or
+  /// optimizer state.
+  ///   sw::PipeOptions().chunks(8).memory_budget(64 << 20, torch::randn({64, 1024}),
+  ///                                            sw::runtime::FileStore("/nvme/offload"))
+  PipeOptions& memory_budget(std::int64_t bytes, Batch sample,
+                             std::optional<runtime::AnyStore> store = std::nullopt,
+                             schedule::any_schedule sched = {"one_f_one_b",
+                                                             schedule::one_f_one_b{}}) {
+    TORCH_CHECK(bytes > 0, "stagewise::PipeOptions: memory_budget is ", bytes,
+                " bytes; give a positive number of bytes of activations per stage");
+    memory_budget_ =
+        MemoryBudget{bytes, std::move(sample), std::move(store), std::move(sched), offload_costs_};
+    return *this;
+  }
+  /// The plan a pipe made for its memory budget (set by the pipe; see `memory_budget`).
+  PipeOptions& memory_plan(schedule::MemoryPlan plan) {
+    memory_plan_ = std::move(plan);
+    return *this;
+  }
+
   int64_t chunks() const { return chunks_; }
+  const std::optional<MemoryBudget>& memory_budget() const { return memory_budget_; }
+  const std::optional<schedule::MemoryPlan>& memory_plan() const { return memory_plan_; }
+  const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
+  const schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
   Checkpoint checkpoint() const { return checkpoint_; }
   const std::vector<torch::Device>& devices() const { return devices_; }
   bool deferred_batch_norm() const { return deferred_batch_norm_; }
@@ -57,6 +122,10 @@ class PipeOptions {
   Checkpoint checkpoint_ = Checkpoint::except_last;
   std::vector<torch::Device> devices_;
   bool deferred_batch_norm_ = false;
+  std::optional<runtime::AnyStore> offload_store_;
+  schedule::OffloadCosts offload_costs_;
+  std::optional<MemoryBudget> memory_budget_;
+  std::optional<schedule::MemoryPlan> memory_plan_;
 };
 
 }  // namespace stagewise

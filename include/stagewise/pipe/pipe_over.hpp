@@ -14,6 +14,7 @@
 #include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
+#include "stagewise/pipe/detail/offload_step.hpp"
 #include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
@@ -436,7 +437,10 @@ class PipeOverImpl : public detail::PlacedStages {
     if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
     step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
-    const auto plan = schedule::plan(sched, n, m, static_cast<int>(step.stop));
+    // With PipeOptions().offload(...): the plan's offloads and reloads, and the step's store.
+    const auto plan =
+        detail::with_offloads(schedule::plan(sched, n, m, static_cast<int>(step.stop)), options_,
+                              step, stages_);
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
     if (replicas_.many()) {

@@ -9,6 +9,7 @@
 #include "stagewise/core/detail/cell.hpp"
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/runtime/detail/train_skips.hpp"
+#include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 #include "stagewise/schedule/action.hpp"
@@ -40,6 +41,7 @@ struct CellMemory {
   torch::Tensor loss;                  // last stage only
   std::optional<::stagewise::detail::CellReplay> replay;  // checkpointed cells only
   std::optional<SplitBackward> split;                     // between I and W
+  std::vector<char> away_grad;  // between its O and L: whether each kept tensor required grad
 };
 
 }  // namespace detail
@@ -57,6 +59,9 @@ struct TrainStep {
   /// Called on the worker with stage j once its parameters' gradients of the step are final (after
   /// the stage's last B or W), e.g. to start reducing them; null: nothing is called.
   std::function<void(int)> gradients_ready;
+  /// Where offloads O put what a checkpointed cell keeps until its reload L; none: the plan has
+  /// no O.
+  std::optional<AnyStore> store;
 };
 
 namespace detail {
@@ -148,6 +153,10 @@ inline Phase phase_of(schedule::ActionKind kind) {
       return Phase::input_grad;
     case schedule::ActionKind::weight_grad:
       return Phase::weight_grad;
+    case schedule::ActionKind::offload:
+      return Phase::offload;
+    case schedule::ActionKind::reload:
+      return Phase::reload;
   }
   return Phase::forward;
 }

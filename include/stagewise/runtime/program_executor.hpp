@@ -162,6 +162,56 @@ void run_weight_grad(ActionContext<Transport>& c, const schedule::Action& a) {
   c.cell = CellMemory{};
 }
 
+// What a checkpointed cell keeps until its recompute: its inputs and the skips it popped.
+template <class Transport>
+std::vector<torch::Tensor*> kept_by(ActionContext<Transport>& c, const schedule::Action& a) {
+  TORCH_CHECK(c.step.store, "stagewise::train_step: ", schedule::to_string(a),
+              " moves a cell to a host store, but the step has none; give the pipe one with "
+              "PipeOptions().offload(...)");
+  TORCH_CHECK(c.cell.replay, "stagewise::train_step: ", schedule::to_string(a),
+              " moves a cell that is not checkpointed; verify the plan (schedule::verify)");
+  std::vector<torch::Tensor*> kept;
+  for (auto& t : c.cell.leaves) kept.push_back(&t);
+  if (c.step.skips) {
+    for (auto* t :
+         c.step.skips->popped_slots(static_cast<std::size_t>(c.j), static_cast<std::size_t>(c.i))) {
+      kept.push_back(t);
+    }
+  }
+  return kept;
+}
+
+// O: the cell's kept tensors go to the store; they leave the cell only once the store has them,
+// so a store that fails loses nothing.
+template <class Transport>
+void run_offload(ActionContext<Transport>& c, const schedule::Action& a) {
+  const auto kept = kept_by(c, a);
+  std::vector<torch::Tensor> tensors;
+  std::vector<char> grad;
+  for (auto* t : kept) {
+    tensors.push_back(t->defined() ? t->detach() : *t);
+    grad.push_back(t->defined() && t->requires_grad());
+  }
+  c.step.store->put({c.j, c.i}, std::move(tensors));
+  for (auto* t : kept) *t = torch::Tensor();
+  c.cell.away_grad = std::move(grad);
+}
+
+// L: the kept tensors come back as the leaves they were (the recompute and the backward use them).
+template <class Transport>
+void run_reload(ActionContext<Transport>& c, const schedule::Action& a) {
+  const auto kept = kept_by(c, a);
+  auto back = c.step.store->take({c.j, c.i}, c.stage.device);
+  TORCH_CHECK(back.size() == kept.size() && c.cell.away_grad.size() == kept.size(),
+              "stagewise::train_step: ", schedule::to_string(a), " got ", back.size(),
+              " tensors back from ", c.step.store->describe(), " for ", kept.size(),
+              " kept ones; a store gives back what was put under the key");
+  for (std::size_t k = 0; k < kept.size(); ++k) {
+    *kept[k] = back[k].defined() ? back[k].requires_grad_(c.cell.away_grad[k] != 0) : back[k];
+  }
+  c.cell.away_grad.clear();
+}
+
 template <class Transport>
 void run_action(ActionContext<Transport>& c, const schedule::Action& a, Inputs& in,
                 torch::Tensor& total) {
@@ -176,6 +226,10 @@ void run_action(ActionContext<Transport>& c, const schedule::Action& a, Inputs& 
       return run_input_grad(c, in);
     case schedule::ActionKind::weight_grad:
       return run_weight_grad(c, a);
+    case schedule::ActionKind::offload:
+      return run_offload(c, a);
+    case schedule::ActionKind::reload:
+      return run_reload(c, a);
   }
 }
 
@@ -184,7 +238,8 @@ void run_action(ActionContext<Transport>& c, const schedule::Action& a, Inputs& 
 /// Runs worker `w`'s actions of `plan` in order (called on that worker's thread): F takes the
 /// activation from the transport and posts its output to the next stage; R recomputes a
 /// checkpointed cell; B runs the cell's backward and posts its input gradients; I posts the input
-/// gradients and keeps the rest for W, which accumulates the weight gradients. A worker may run
+/// gradients and keeps the rest for W, which accumulates the weight gradients; O moves what a
+/// checkpointed cell keeps to the step's store and L brings it back. A worker may run
 /// several stages (interleaved schedules). Appends each action's times to `record` if given.
 /// Returns the summed loss of the micro-batches whose last stage ran here.
 template <transport Transport>

@@ -12,7 +12,15 @@ enum class ActionKind : char {
   input_grad = 'I',   ///< backward to the cell's inputs only (zero-bubble)
   weight_grad = 'W',  ///< the weight gradients left by an earlier input_grad
   recompute = 'R',    ///< re-run a checkpointed forward with grad, just before its backward
+  offload = 'O',      ///< move what a checkpointed cell keeps to a host store (after its F)
+  reload = 'L',       ///< load it back onto the device, before the cell's R ('R' is recompute)
 };
+
+/// Whether `k` is a copy (offload O or reload L): copies run beside the compute, on copy streams
+/// of their own, so the simulator puts them on a worker's copy lanes and not on its clock.
+constexpr bool is_copy(ActionKind k) {
+  return k == ActionKind::offload || k == ActionKind::reload;
+}
 
 /// One action of a schedule: stage `stage` does `kind` for micro-batch `micro`.
 ///   stagewise::schedule::Action{0, ActionKind::forward, 3}  // printed as "F3@0"

@@ -197,12 +197,13 @@ inline csv_schedule from_csv(const std::string& text) {
 ///   // "0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1\n"
 inline std::string to_csv(const Plan& plan, bool recomputes = false) {
   std::vector<std::vector<Action>> programs = plan.programs;
-  if (!recomputes) {
-    for (auto& p : programs) {
-      p.erase(std::remove_if(p.begin(), p.end(),
-                             [](const Action& a) { return a.kind == ActionKind::recompute; }),
-              p.end());
-    }
+  for (auto& p : programs) {  // PyTorch's grammar has no offload or reload either
+    p.erase(std::remove_if(p.begin(), p.end(),
+                           [&](const Action& a) {
+                             return is_copy(a.kind) ||
+                                    (!recomputes && a.kind == ActionKind::recompute);
+                           }),
+            p.end());
   }
   detail::Dependencies deps(plan.stages, plan.micro_batches);
   const auto r = detail::replay(programs, deps, [](const Action&) { return 1.0; });

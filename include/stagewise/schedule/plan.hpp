@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,6 +67,11 @@ inline Plan lay_out(const std::vector<Action>& actions, int stages, int micro_ba
       static_cast<std::size_t>(stages) * static_cast<std::size_t>(micro_batches), 0);
   for (std::size_t k = 0; k < actions.size(); ++k) {
     const Action& a = actions[k];
+    TORCH_CHECK(a.kind != ActionKind::offload || a.micro < checkpointed,
+                "stagewise::schedule::plan: ", at(a, k), " offloads micro-batch ", a.micro,
+                ", which is not checkpointed; only a checkpointed cell keeps no more than its "
+                "inputs, which is what an offload moves. Remove the O (and its L), or checkpoint "
+                "that micro-batch (Checkpoint::always)");
     if (a.kind != ActionKind::recompute) continue;
     TORCH_CHECK(a.micro < checkpointed, "stagewise::schedule::plan: ", at(a, k),
                 " recomputes micro-batch ", a.micro, ", which is not checkpointed (",
@@ -91,6 +97,50 @@ inline Plan lay_out(const std::vector<Action>& actions, int stages, int micro_ba
 }
 
 }  // namespace detail
+
+/// What is wrong with a plan (one built by `plan` and then rewritten, e.g. by `offload`), or
+/// nothing: the rules of `check` on its actions, each worker's in its order, and an offload O only
+/// on a cell with a recompute R (a checkpointed cell, which keeps only its inputs).
+///   if (auto problem = stagewise::schedule::check(p)) std::cerr << *problem;
+inline std::optional<std::string> check(const Plan& p) {
+  std::vector<Action> actions;
+  for (const auto& program : p.programs)
+    actions.insert(actions.end(), program.begin(), program.end());
+  std::vector<int> placement;
+  for (int k = 0; k < p.stages; ++k) placement.push_back(p.worker_of(k));
+  if (auto problem =
+          detail::first_problem(actions, p.stages, p.micro_batches, placement, p.workers)) {
+    return problem;
+  }
+  std::vector<char> recomputed(actions.size() > 0 ? static_cast<std::size_t>(p.stages) *
+                                                        static_cast<std::size_t>(p.micro_batches)
+                                                  : 0,
+                               0);
+  auto cell = [&](const Action& a) {
+    return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(p.micro_batches) +
+           static_cast<std::size_t>(a.micro);
+  };
+  for (const auto& a : actions) {
+    if (a.kind == ActionKind::recompute) recomputed[cell(a)] = 1;
+  }
+  for (std::size_t k = 0; k < actions.size(); ++k) {
+    const Action& a = actions[k];
+    if (a.kind == ActionKind::offload && !recomputed[cell(a)]) {
+      return detail::at(a, k) + " offloads a cell that is not checkpointed (it has no " +
+             to_string(Action{a.stage, ActionKind::recompute, a.micro}) +
+             "); only a checkpointed cell keeps no more than its inputs, which is what an "
+             "offload moves. Drop the O and its L, or checkpoint the cell";
+    }
+  }
+  return std::nullopt;
+}
+
+/// Rejects an invalid plan with `check`'s message (see `check(const Plan&)`).
+///   stagewise::schedule::verify(stagewise::schedule::offload(p, costs));
+inline void verify(const Plan& p) {
+  const auto problem = check(p);
+  TORCH_CHECK(!problem, "stagewise::schedule::verify: ", problem.value_or(""));
+}
 
 /// Verifies `sched` (see `verify`) and lays it out as a Plan for the first `checkpointed`
 /// micro-batches checkpointed: a schedule may place their recomputes itself (yield

@@ -20,13 +20,16 @@ namespace stagewise::schedule {
 /// What each action costs on the simulator's clock, in the zero-bubble paper's terms: T_F is
 /// `forward`, T_B is `input_grad` (the input-gradient part of backward, action I) and T_W is
 /// `weight_grad` (action W); a full backward B costs T_B + T_W, a recompute R costs `recompute`
-/// (negative: the same as `forward`).
+/// (negative: the same as `forward`); an offload O costs `offload` and a reload L `reload`
+/// (negative: the same as `offload`) on the worker's copy lanes, beside its compute.
 ///   stagewise::schedule::Costs{.forward = 1, .input_grad = 1, .weight_grad = 1}  // the default
 struct Costs {
   double forward = 1.0;
   double input_grad = 1.0;
   double weight_grad = 1.0;
   double recompute = -1.0;
+  double offload = 0.0;
+  double reload = -1.0;
 
   /// The cost of one action of kind `k`.
   double of(ActionKind k) const {
@@ -41,6 +44,10 @@ struct Costs {
         return weight_grad;
       case ActionKind::recompute:
         return recompute < 0.0 ? forward : recompute;
+      case ActionKind::offload:
+        return offload;
+      case ActionKind::reload:
+        return reload < 0.0 ? offload : reload;
     }
     return 0.0;
   }
@@ -79,36 +86,58 @@ struct Simulation {
 /// `weight_working` above them during a W (on the first stage, whose input needs no gradient, I
 /// has nothing to do and W runs the whole backward). Measure them on one stage alone: a forward
 /// and a backward; a forward, SplitBackward::input_grad and weight_grad.
+/// A checkpointed cell (one with an R in the plan) holds `kept` from its F to its R (its inputs;
+/// negative: `forward`, as if it kept everything), and `forward` from its R on; an offload O
+/// takes its `kept` bytes off the device until its reload L.
 ///   stagewise::schedule::CellBytes{.forward = 131072, .input_grad = 262144, .working = 131584}
 struct CellBytes {
   double forward = 1.0;
   double input_grad = 1.0;
   double working = 0.0;
   double weight_working = 0.0;
+  double kept = -1.0;
 };
 
 /// Per worker, the most bytes its stages' cells hold at once (no checkpointing: a cell keeps its
 /// activations from F to its backward), counted along the worker's program, which is exact since
 /// a worker performs its actions in order: + forward at F, + (input_grad - forward) at I,
-/// - input_grad at W, - forward at B. `bytes[s]` for stage s, or one entry for every stage; with
-/// `CellBytes{}` this is `Simulation::worker_peak_in_flight`. While a B, an I or a W runs, its
-/// working bytes count too.
+/// - input_grad at W, - forward at B; a checkpointed cell + kept at F, + (forward - kept) at R,
+/// and - kept at its O, + kept at its L (an offload's bytes leave when it is issued: an upper
+/// bound on the saving, since a CUDA copy frees them only once it has landed). `bytes[s]` for stage
+/// s, or one entry for every stage; with `CellBytes{}` this is `Simulation::worker_peak_in_flight`.
+/// While a B, an I or a W runs, its working bytes count too.
 ///   auto peak = stagewise::schedule::peak_bytes(plan, {{131072, 196608}});
 inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBytes>& bytes) {
   TORCH_CHECK(bytes.size() == 1 || static_cast<int>(bytes.size()) == plan.stages,
               "stagewise::schedule::peak_bytes: give one CellBytes for every stage (",
               plan.stages, "), or one for all; got ", bytes.size());
+  // The cells with a recompute keep only `kept` until it.
+  std::vector<char> recomputed(
+      static_cast<std::size_t>(plan.stages) * static_cast<std::size_t>(plan.micro_batches), 0);
+  auto cell = [&](const Action& a) {
+    return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(plan.micro_batches) +
+           static_cast<std::size_t>(a.micro);
+  };
+  for (const auto& program : plan.programs) {
+    for (const auto& a : program) {
+      if (a.kind == ActionKind::recompute) recomputed[cell(a)] = 1;
+    }
+  }
   std::vector<double> peaks;
   for (const auto& program : plan.programs) {
     double now = 0.0;
     double peak = 0.0;
     for (const auto& a : program) {
       const auto& b = bytes[bytes.size() == 1 ? 0 : static_cast<std::size_t>(a.stage)];
+      const double kept = b.kept < 0.0 ? b.forward : b.kept;
       if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
         peak = std::max(peak, now + b.working);
       }
       if (a.kind == ActionKind::weight_grad) peak = std::max(peak, now + b.weight_working);
-      if (a.kind == ActionKind::forward) now += b.forward;
+      if (a.kind == ActionKind::forward) now += recomputed[cell(a)] ? kept : b.forward;
+      if (a.kind == ActionKind::recompute) now += b.forward - kept;
+      if (a.kind == ActionKind::offload) now -= kept;
+      if (a.kind == ActionKind::reload) now += kept;
       if (a.kind == ActionKind::input_grad) now += b.input_grad - b.forward;
       if (a.kind == ActionKind::weight_grad) now -= b.input_grad;
       if (a.kind == ActionKind::backward) now -= b.forward;
@@ -185,7 +214,7 @@ Simulation simulate(const Plan& plan, const Cost& cost) {
 /// from the next), taking `costs.of(kind)`; messages take no time.
 inline Simulation simulate(const Plan& plan, const Costs& costs = {}) {
   for (auto k : {ActionKind::forward, ActionKind::input_grad, ActionKind::weight_grad,
-                 ActionKind::recompute}) {
+                 ActionKind::recompute, ActionKind::offload, ActionKind::reload}) {
     TORCH_CHECK(costs.of(k) >= 0.0, "stagewise::schedule::simulate: the cost of ",
                 std::string(1, static_cast<char>(k)), " is ", costs.of(k),
                 "; give costs of 0 or more");

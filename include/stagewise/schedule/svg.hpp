@@ -62,6 +62,10 @@ inline const char* svg_colour(ActionKind k) {
       return "#f58518";
     case ActionKind::recompute:
       return "#9d755d";
+    case ActionKind::offload:
+      return "#b279a2";
+    case ActionKind::reload:
+      return "#e45756";
   }
   return "#888888";
 }
@@ -78,6 +82,10 @@ inline const char* svg_kind_name(ActionKind k) {
       return "W weight grad";
     case ActionKind::recompute:
       return "R recompute";
+    case ActionKind::offload:
+      return "O offload";
+    case ActionKind::reload:
+      return "L reload";
   }
   return "?";
 }
@@ -86,7 +94,9 @@ inline const char* svg_kind_name(ActionKind k) {
 
 /// Draws a timeline as an SVG picture: one row per worker (per stage unless interleaved), one
 /// coloured box per action labelled with its micro-batch (F blue, B green, I teal, W orange,
-/// R brown; a worker's later virtual stages paler), idle time left blank so bubbles show.
+/// R brown; a worker's later virtual stages paler), idle time left blank so bubbles show; copies
+/// (O offload purple, L reload red) as thin bars along the bottom of their worker's row, since
+/// they run beside the compute.
 /// Exactly one `<rect>` per action; hover a box for its full name.
 ///   auto sim = stagewise::schedule::simulate(stagewise::schedule::zero_bubble_h1{}, 4, 8);
 ///   std::string svg = stagewise::schedule::to_svg(sim.timeline, {.title = "ZB-H1"});
@@ -127,23 +137,27 @@ inline std::string to_svg(const Timeline& t, const SvgOptions& options = {}) {
   for (const auto& a : t.actions) {
     const double x = label_width + (a.start - t0) * scale;
     const double w = std::max((a.end - a.start) * scale, 0.5);
-    const double y = top + a.worker * (row + gap);
+    // Copies (O, L) run beside the compute: a thin bar along the bottom of the worker's row.
+    const bool copy = is_copy(a.action.kind);
+    const double h = copy ? row * 0.3 : row;
+    const double y = top + a.worker * (row + gap) + (copy ? row - h : 0.0);
     const int chunk = t.workers > 0 ? a.action.stage / t.workers : 0;
     s += "<rect x=\"" + svg_number(x) + "\" y=\"" + svg_number(y) + "\" width=\"" + svg_number(w) +
-         "\" height=\"" + svg_number(row) + "\" fill=\"" + detail::svg_colour(a.action.kind) +
-         "\"" + (chunk % 2 == 1 ? " fill-opacity=\"0.6\"" : "") +
+         "\" height=\"" + svg_number(h) + "\" fill=\"" + detail::svg_colour(a.action.kind) + "\"" +
+         (chunk % 2 == 1 ? " fill-opacity=\"0.6\"" : "") +
          " stroke=\"#ffffff\" stroke-width=\"0.5\"><title>" + to_string(a.action) + " " +
          svg_number(a.start - t0) + "-" + svg_number(a.end - t0) + " " +
          detail::svg_escape(t.unit) + "</title></rect>\n";
-    if (w >= 10.0) {
+    if (w >= 10.0 && !copy) {
       s += "<text x=\"" + svg_number(x + w / 2) + "\" y=\"" + svg_number(y + row * 0.68) +
            "\" font-size=\"11\" text-anchor=\"middle\" fill=\"#ffffff\">" +
            std::to_string(a.action.micro) + "</text>\n";
     }
   }
   double x = label_width;
-  for (auto k : {ActionKind::forward, ActionKind::backward, ActionKind::input_grad,
-                 ActionKind::weight_grad, ActionKind::recompute}) {
+  for (auto k :
+       {ActionKind::forward, ActionKind::backward, ActionKind::input_grad, ActionKind::weight_grad,
+        ActionKind::recompute, ActionKind::offload, ActionKind::reload}) {
     if (std::none_of(t.actions.begin(), t.actions.end(),
                      [&](const TimedAction& a) { return a.action.kind == k; })) {
       continue;

@@ -43,11 +43,11 @@ struct Timeline {
     for (const auto& a : actions) t = std::max(t, a.end);
     return actions.empty() ? 0.0 : t - begin();
   }
-  /// Time worker `w` spent running actions.
+  /// Time worker `w` spent running actions (compute: copies, O and L, run beside it).
   double busy(int w) const {
     double t = 0.0;
     for (const auto& a : actions) {
-      if (a.worker == w) t += a.end - a.start;
+      if (a.worker == w && !is_copy(a.action.kind)) t += a.end - a.start;
     }
     return t;
   }
@@ -55,7 +55,7 @@ struct Timeline {
   double waiting(int w) const {
     double t = 0.0;
     for (const auto& a : actions) {
-      if (a.worker == w) t += a.waited;
+      if (a.worker == w && !is_copy(a.action.kind)) t += a.waited;
     }
     return t;
   }

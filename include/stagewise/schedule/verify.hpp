@@ -26,9 +26,26 @@ inline bool known_kind(ActionKind k) {
     case ActionKind::input_grad:
     case ActionKind::weight_grad:
     case ActionKind::recompute:
+    case ActionKind::offload:
+    case ActionKind::reload:
       return true;
   }
   return false;
+}
+
+// The first use of what a cell keeps (its R, or its first B or I) when that cell was offloaded
+// and not reloaded yet: a reload that comes later (after its use), or none at all.
+inline std::string used_while_away(const Action& a, std::size_t p, std::size_t reload_at) {
+  const Action o{a.stage, ActionKind::offload, a.micro};
+  const Action l{a.stage, ActionKind::reload, a.micro};
+  if (reload_at != static_cast<std::size_t>(-1)) {
+    return at(l, reload_at) + " comes after " + at(a, p) + ", which uses what " + to_string(o) +
+           " moved to the host; a reload must land before its use, so yield " + to_string(l) +
+           " before " + to_string(a);
+  }
+  return to_string(o) + " is never reloaded, but " + at(a, p) + " uses what it moved to the " +
+         "host; yield " + to_string(l) + " between " + to_string(o) + " and " + to_string(a) +
+         ", or drop the offload";
 }
 
 // The first thing wrong with a schedule's stream of actions, or nothing. Checks, in the order
@@ -43,24 +60,42 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
            " stages and " + std::to_string(m) + " micro-batches";
   }
   if (auto bad = placement_problem(placement, n, workers); !bad.empty()) return bad;
-  enum : unsigned { f = 1, b = 2, i = 4, w = 8, rc = 16 };
+  enum : unsigned { f = 1, b = 2, i = 4, w = 8, rc = 16, o = 32, l = 64 };
   std::vector<unsigned> seen(static_cast<std::size_t>(n) * static_cast<std::size_t>(m), 0);
   auto name = [](ActionKind k, int stage, int micro) { return to_string(Action{stage, k, micro}); };
+  // Where each cell's first reload is, to tell a late reload from a missing one.
+  std::vector<std::size_t> reload_at(seen.size(), static_cast<std::size_t>(-1));
+  for (std::size_t p = actions.size(); p-- > 0;) {
+    const Action& a = actions[p];
+    if (a.kind == ActionKind::reload && a.stage >= 0 && a.stage < n && a.micro >= 0 &&
+        a.micro < m) {
+      reload_at[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
+                static_cast<std::size_t>(a.micro)] = p;
+    }
+  }
   for (std::size_t p = 0; p < actions.size(); ++p) {
     const Action& a = actions[p];
     if (!known_kind(a.kind)) {
       return "action #" + std::to_string(p) + " has the unknown kind '" +
              std::string(1, static_cast<char>(a.kind)) +
-             "'; yield ActionKind::forward, backward, input_grad, weight_grad or recompute";
+             "'; yield ActionKind::forward, backward, input_grad, weight_grad, recompute, "
+             "offload or reload";
     }
     if (a.stage < 0 || a.stage >= n || a.micro < 0 || a.micro >= m) {
       return at(a, p) + " is outside the pipeline of " + std::to_string(n) + " stages and " +
              std::to_string(m) + " micro-batches; yield stages 0.." + std::to_string(n - 1) +
              " and micro-batches 0.." + std::to_string(m - 1);
     }
-    auto& cell = seen[static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
-                      static_cast<std::size_t>(a.micro)];
+    const std::size_t index = static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(m) +
+                              static_cast<std::size_t>(a.micro);
+    auto& cell = seen[index];
     const std::string where = " on stage " + std::to_string(a.stage);
+    const bool uses_kept =
+        a.kind == ActionKind::recompute ||
+        ((a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) && !(cell & rc));
+    if (uses_kept && (cell & f) && (cell & o) && !(cell & l) && !(cell & (b | i))) {
+      return used_while_away(a, p, reload_at[index]);
+    }
     switch (a.kind) {
       case ActionKind::forward:
         if (cell & f) {
@@ -118,6 +153,37 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
         }
         cell |= rc;
         break;
+      case ActionKind::offload:
+        if (!(cell & f)) {
+          return at(a, p) + " comes before " + name(ActionKind::forward, a.stage, a.micro) + where +
+                 "; an offload moves what the forward kept, so yield it after " +
+                 name(ActionKind::forward, a.stage, a.micro);
+        }
+        if (cell & (b | i | rc)) {
+          return at(a, p) + " follows the cell's " + (cell & rc ? "recompute" : "backward") +
+                 ", which already used what it would move; offload between " +
+                 name(ActionKind::forward, a.stage, a.micro) +
+                 " and the cell's recompute or first backward";
+        }
+        if (cell & o) {
+          return at(a, p) + " repeats the offload of micro-batch " + std::to_string(a.micro) +
+                 where + "; offload each cell at most once";
+        }
+        cell |= o;
+        break;
+      case ActionKind::reload:
+        if (!(cell & o)) {
+          return at(a, p) + " reloads micro-batch " + std::to_string(a.micro) + where +
+                 ", which has not been offloaded; yield " +
+                 name(ActionKind::offload, a.stage, a.micro) + " (after " +
+                 name(ActionKind::forward, a.stage, a.micro) + ") before it, or drop the reload";
+        }
+        if (cell & l) {
+          return at(a, p) + " repeats the reload of micro-batch " + std::to_string(a.micro) +
+                 where + "; reload each offloaded cell exactly once";
+        }
+        cell |= l;
+        break;
     }
   }
   for (int s = 0; s < n; ++s) {
@@ -133,6 +199,10 @@ inline std::optional<std::string> first_problem(const std::vector<Action>& actio
                std::to_string(s) + "; yield " + name(ActionKind::backward, s, k) + ", or " +
                name(ActionKind::input_grad, s, k) + " and then " +
                name(ActionKind::weight_grad, s, k);
+      }
+      if ((cell & o) && !(cell & l)) {
+        return name(ActionKind::offload, s, k) + " is never reloaded; yield " +
+               name(ActionKind::reload, s, k) + " before the cell's recompute or first backward";
       }
       if ((cell & i) && !(cell & w)) {
         return name(ActionKind::weight_grad, s, k) + " never comes; " +
@@ -187,7 +257,9 @@ std::optional<std::string> check(const S& sched, int stages, int micro_batches) 
 
 /// Rejects an invalid schedule before anything runs, throwing c10::Error with a message naming
 /// the first bad action: an action outside the grid, a cell's B or I before its F or W before
-/// its I, a recompute R not between its cell's F and first B or I, a cell run twice or never, a
+/// its I, a recompute R not between its cell's F and first B or I, an offload O not between them
+/// or a reload L not between the O and the cell's R (or first B or I; each O reloaded exactly
+/// once, on its stage), a cell run twice or never, a
 /// placement naming a worker out of range, or a deadlock (a worker waiting for something that can
 /// never come). `train_step` calls it on every schedule it runs.
 ///   stagewise::schedule::verify(stagewise::schedule::one_f_one_b{}, 4, 8);  // fine

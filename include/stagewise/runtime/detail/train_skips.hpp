@@ -123,6 +123,18 @@ class TrainSkips {
     return out;
   }
 
+  /// Where the skips popped by cell (j, i) are kept until its backward (those that arrived), for
+  /// an offload O to move them to a host store and its reload L to put them back.
+  std::vector<torch::Tensor*> popped_slots(std::size_t j, std::size_t i) {
+    auto& cell = cell_at(j, i);
+    std::vector<torch::Tensor*> out;
+    for (const auto& r : layout_->copies_into(j)) {
+      auto it = cell.leaves.find(r.skip);
+      if (it != cell.leaves.end()) out.push_back(&it->second);
+    }
+    return out;
+  }
+
   /// After the backward (B, or I) of cell (j, i): sends the popped leaves' gradients back to
   /// their stashing stages and frees the cell's skips. The gradients are the leaves' `.grad`
   /// after a B; after an I, which accumulates nothing, give them as `given` (in `popped`'s

@@ -1,0 +1,181 @@
+#pragma once
+
+#include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/runtime/stream.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise::runtime {
+
+/// An offload store in files: one file per stage, `<dir>/stage<j>.offload`, in a directory the
+/// user names (a local NVMe disk, say). Offloading writes a cell's kept tensors to its stage's file
+/// and drops them from memory; reloading reads them back onto the stage's device. A stage's file
+/// is reused from its start whenever every tensor in it has been reloaded (each step, at the
+/// latest), so it never holds more than one step's offloads. A missing or unwritable directory
+/// fails the step before anything runs; a failed write (disk full) fails it at the offload, and in
+/// both cases the error names the store and the fix. The directory is not created: name one that
+/// exists.
+///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::FileStore("/nvme/offload"));
+class FileStore {
+ public:
+  explicit FileStore(std::string dir) : dir_(std::move(dir)) {
+    TORCH_CHECK(!dir_.empty(),
+                "stagewise::FileStore: the directory is empty; name the directory to write "
+                "offloaded activations to (e.g. FileStore(\"/nvme/offload\"))");
+  }
+
+  /// Opens (or reopens) the files of `stages`, each from its start.
+  void begin_step(const std::vector<int>& stages) {
+    for (int j : stages) {
+      if (static_cast<std::size_t>(j) >= files_.size())
+        files_.resize(static_cast<std::size_t>(j) + 1);
+      auto& f = files_[static_cast<std::size_t>(j)];
+      if (!f) f = std::make_unique<StageFile>();
+      f->records.clear();  // what a failed step left
+      f->end = 0;
+      if (f->fd >= 0) continue;
+      const std::string path = path_of(j);
+      f->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      TORCH_CHECK(f->fd >= 0, "stagewise::", describe(), ": cannot open '", path, "' for stage ", j,
+                  "'s offloaded activations (", std::strerror(errno), "); create the directory '",
+                  dir_,
+                  "' and make it writable, or give FileStore a directory that is (e.g. on a "
+                  "local NVMe disk)");
+    }
+  }
+
+  /// Writes `tensors` (moved to the CPU first, if they are not there) to `key`'s stage file.
+  void put(const StoreKey& key, std::vector<torch::Tensor> tensors) {
+    StageFile& f = file(key, "offloads");
+    std::vector<Record> records;
+    for (auto& t : tensors) {
+      Record r;
+      if (t.defined()) {
+        torch::Tensor host = copy_to(t.detach(), torch::kCPU).contiguous();
+        r.defined = true;
+        r.sizes = host.sizes().vec();
+        r.dtype = host.scalar_type();
+        r.offset = f.end;
+        r.bytes = static_cast<std::int64_t>(host.nbytes());
+        write_all(f, key, static_cast<const char*>(host.data_ptr()), r.bytes, r.offset);
+        f.end += r.bytes;
+      }
+      t = torch::Tensor();
+      records.push_back(std::move(r));
+    }
+    f.records[key.micro] = std::move(records);
+  }
+
+  /// Reads `key`'s tensors back onto `device`.
+  std::vector<torch::Tensor> take(const StoreKey& key, const torch::Device& device) {
+    StageFile& f = file(key, "reloads");
+    auto it = f.records.find(key.micro);
+    TORCH_CHECK(it != f.records.end(), "stagewise::", describe(), ": stage ", key.stage,
+                " reloads micro-batch ", key.micro,
+                ", which it never offloaded; verify the plan (schedule::verify)");
+    std::vector<torch::Tensor> out;
+    for (const auto& r : it->second) {
+      if (!r.defined) {
+        out.emplace_back();
+        continue;
+      }
+      torch::Tensor host = torch::empty(r.sizes, torch::TensorOptions().dtype(r.dtype));
+      read_all(f, key, static_cast<char*>(host.data_ptr()), r.bytes, r.offset);
+      out.push_back(copy_to(host, device));
+    }
+    f.records.erase(it);
+    if (f.records.empty()) f.end = 0;  // nothing left in the file: reuse it from its start
+    return out;
+  }
+
+  std::string describe() const { return "FileStore('" + dir_ + "')"; }
+  /// The file of stage `j`.
+  std::string path_of(int j) const { return dir_ + "/stage" + std::to_string(j) + ".offload"; }
+
+ private:
+  struct Record {
+    bool defined = false;
+    std::vector<std::int64_t> sizes;
+    c10::ScalarType dtype = c10::ScalarType::Float;
+    std::int64_t offset = 0;
+    std::int64_t bytes = 0;
+  };
+  struct StageFile {
+    StageFile() = default;
+    StageFile(const StageFile&) = delete;
+    StageFile& operator=(const StageFile&) = delete;
+    ~StageFile() {
+      if (fd >= 0) ::close(fd);
+    }
+    int fd = -1;
+    std::int64_t end = 0;                        // where the next tensor goes
+    std::map<int, std::vector<Record>> records;  // per micro-batch; touched by the stage's worker
+  };
+
+  StageFile& file(const StoreKey& key, const char* what) {
+    const auto j = static_cast<std::size_t>(key.stage);
+    TORCH_CHECK(j < files_.size() && files_[j] && files_[j]->fd >= 0, "stagewise::", describe(),
+                ": stage ", key.stage, " ", what,
+                " before the store was opened for it; call begin_step with the stages that "
+                "offload (train_step does)");
+    return *files_[j];
+  }
+
+  void write_all(StageFile& f, const StoreKey& key, const char* data, std::int64_t bytes,
+                 std::int64_t offset) {
+    transfer(key, bytes, "writing", "to", "disk full",
+             "free space on that disk or give FileStore a directory on one with room",
+             [&](std::int64_t done) {
+               return ::pwrite(f.fd, data + done, static_cast<std::size_t>(bytes - done),
+                               static_cast<off_t>(offset + done));
+             });
+  }
+
+  void read_all(StageFile& f, const StoreKey& key, char* data, std::int64_t bytes,
+                std::int64_t offset) {
+    transfer(key, bytes, "reading", "from", "end of file",
+             "was the file changed or removed during the step? Keep the directory for the "
+             "store alone",
+             [&](std::int64_t done) {
+               return ::pread(f.fd, data + done, static_cast<std::size_t>(bytes - done),
+                              static_cast<off_t>(offset + done));
+             });
+  }
+
+  // Runs `step(done)` (one pread or pwrite from `done` bytes on) until `bytes` are through; a
+  // failure names the store, the cell, the file, the bytes and the fix.
+  template <class Step>
+  void transfer(const StoreKey& key, std::int64_t bytes, const char* doing, const char* preposition,
+                const char* short_reason, const char* fix, Step&& step) {
+    std::int64_t done = 0;
+    while (done < bytes) {
+      const auto n = step(done);
+      if (n < 0 && errno == EINTR) continue;
+      TORCH_CHECK(n > 0, "stagewise::", describe(), ": ", doing, " ", bytes, " bytes of stage ",
+                  key.stage, "'s micro-batch ", key.micro, " ", preposition, " '",
+                  path_of(key.stage), "' failed after ", done, " (",
+                  n < 0 ? std::strerror(errno) : short_reason, "); ", fix);
+      done += n;
+    }
+  }
+
+  std::string dir_;
+  std::vector<std::unique_ptr<StageFile>> files_;  // per stage; resized only in begin_step
+};
+
+static_assert(offload_store<FileStore>);
+
+}  // namespace stagewise::runtime

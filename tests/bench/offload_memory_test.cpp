@@ -1,0 +1,90 @@
+// The file store's saving, measured: with every stage checkpointed, what a step's cells keep is
+// their inputs; offloaded to files, the step's peak (the counting allocator's, all threads) drops
+// by most of them, and the parameters trained are the same.
+#include "benchmarks/common/memory.hpp"
+
+#include <stagewise/pipe.hpp>
+#include <stagewise/runtime/file_store.hpp>
+#include <stagewise/schedule/gpipe.hpp>
+#include <stagewise/schedule/one_f_one_b.hpp>
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+namespace sw = stagewise;
+
+namespace {
+
+// Four stages of two narrow-to-wide blocks: little parameter memory, large boundaries.
+torch::nn::Sequential activation_heavy() {
+  torch::nn::Sequential s;
+  for (int k = 0; k < 4; ++k) {
+    s->push_back(torch::nn::Linear(128, 128));
+    s->push_back(torch::nn::Tanh());
+  }
+  return s;
+}
+
+struct Measured {
+  long long peak = 0;
+  std::vector<torch::Tensor> parameters;
+};
+
+// The peak bytes of the second of two steps (the first makes the gradients), over what was alive
+// before it.
+template <class Schedule>
+Measured measure(const Schedule& s, std::optional<std::string> dir) {
+  auto& memory = sw::bench::counting_allocator();
+  torch::manual_seed(3);
+  auto model = activation_heavy();
+  auto options = sw::PipeOptions().chunks(8).checkpoint(sw::Checkpoint::always);
+  if (dir) options.offload(sw::runtime::FileStore(*dir), {.costs = {.offload = 0.0}});
+  auto pipe = sw::Pipe(model, sw::balance{2, 2, 2, 2}, options);
+  auto loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  torch::manual_seed(4);
+  const auto x = torch::randn({4096, 128});
+  const auto t = torch::randn({4096, 128});
+  pipe->train_step(x, t, loss, s);
+  const long long before = memory.current();
+  memory.reset_peak();
+  pipe->train_step(x, t, loss, s);
+  Measured m;
+  m.peak = memory.peak() - before;
+  for (const auto& p : model->parameters()) m.parameters.push_back(p.grad().clone());
+  return m;
+}
+
+std::string temp_dir() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(base ? base : "/tmp") + "/stagewise_offload_memory";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+}  // namespace
+
+TEST_CASE("the file store takes the kept inputs out of memory: the measured peak drops") {
+  const std::string dir = temp_dir();
+  // One micro-batch's boundary: 512 rows x 128 floats = 256 KiB; stages 1-3 keep 8 each under
+  // GPipe (6 MiB in all), up to 4, 3 and 2 under 1F1B.
+  const auto gpipe_without = measure(sw::schedule::gpipe{}, std::nullopt);
+  const auto gpipe_with = measure(sw::schedule::gpipe{}, dir);
+  const auto ofob_without = measure(sw::schedule::one_f_one_b{}, std::nullopt);
+  const auto ofob_with = measure(sw::schedule::one_f_one_b{}, dir);
+  MESSAGE("GPipe peak ", gpipe_without.peak, " -> ", gpipe_with.peak, " bytes; 1F1B ",
+          ofob_without.peak, " -> ", ofob_with.peak);
+  CHECK(gpipe_with.peak < 0.6 * static_cast<double>(gpipe_without.peak));
+  CHECK(gpipe_without.peak - gpipe_with.peak > 3LL << 20);  // over half the 6 MiB of boundaries
+  CHECK(ofob_with.peak < ofob_without.peak);
+  for (std::size_t k = 0; k < gpipe_with.parameters.size(); ++k) {
+    CHECK(gpipe_with.parameters[k].equal(gpipe_without.parameters[k]));
+    CHECK(ofob_with.parameters[k].equal(ofob_without.parameters[k]));
+  }
+}
