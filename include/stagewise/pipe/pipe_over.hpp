@@ -17,6 +17,7 @@
 #include "stagewise/pipe/detail/offload_step.hpp"
 #include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
+#include "stagewise/pipe/detail/process_step.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
@@ -135,7 +136,7 @@ class PipeOverImpl : public detail::PlacedStages {
                            schedule::Timeline* timeline = nullptr) {
     if (replicas_.many()) {
       if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
-        return with_reduced_fused_step(fused, [&] {
+        return detail::with_reduced_fused_step(replicas_, fused, [&] {
           return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
         });
       } else {
@@ -282,40 +283,6 @@ class PipeOverImpl : public detail::PlacedStages {
     }
   }
 
-  // Refuses a schedule that places the stages on `workers` workers as `placement` says (stage j
-  // on worker placement[j]) where this pipe cannot run them: in one process, at most one worker
-  // per stage; between processes, one worker per process, running exactly its stages.
-  void check_placement(const std::vector<int>& placement, int workers) const {
-    const auto here = transport_->processes();
-    const int n = static_cast<int>(placement.size());
-    if (here.stage.empty()) {
-      TORCH_CHECK(workers <= n, where_, ": the schedule plans ", workers, " workers for ", n,
-                  " stages; a pipe runs at most one worker per stage");
-      return;
-    }
-    // The pipe's worker of each process: processes in rank order.
-    std::vector<int> ranks = here.stage;
-    std::sort(ranks.begin(), ranks.end());
-    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
-    const int processes = static_cast<int>(ranks.size());
-    const std::string fix =
-        "; " + (placement_fix_.empty() ? std::string("pass a schedule that runs each process's "
-                                                     "stages (the transport's processes()) on a "
-                                                     "worker of their own")
-                                       : placement_fix_);
-    TORCH_CHECK(workers == processes, where_, ": the schedule runs the ", n, " stages on ", workers,
-                " workers but the pipe runs them on ", processes, " ranks", fix);
-    for (int j = 0; j < n; ++j) {
-      const int rank = here.stage[static_cast<std::size_t>(j)];
-      const int worker =
-          static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank) - ranks.begin());
-      TORCH_CHECK(placement[static_cast<std::size_t>(j)] == worker, where_,
-                  ": the schedule runs stage ", j, " on worker ",
-                  placement[static_cast<std::size_t>(j)], " but the pipe keeps it on rank ", rank,
-                  fix);
-    }
-  }
-
   std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
   std::string placement_fix_;
 
@@ -344,59 +311,6 @@ class PipeOverImpl : public detail::PlacedStages {
             }};
   }
 
-  // A fused step on a data-parallel pipe: the fused step's hooks are off during the step (they
-  // would step on this replica's gradients alone); the reductions step each parameter on its
-  // average instead, and the hooks are back afterwards, with no gradient left pending.
-  template <class Run>
-  torch::Tensor with_reduced_fused_step(optim::FusedStep& fused, Run&& run) {
-    const bool attached = fused.attached();
-    if (attached) fused.detach();
-    auto restore = [&] {
-      replicas_.step_after_reduction(nullptr);
-      if (attached) fused.attach();
-      fused.reset_step();
-    };
-    torch::Tensor loss;
-    try {
-      replicas_.step_after_reduction(&fused);
-      loss = run();
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
-    return loss;
-  }
-
-  // The step's loss on every process, after the step's work: the last stage's process holds it.
-  // With replicas, it travels with its dtype and the replica's rows, which the replicas' mean
-  // weighs, and the replicas finish their reductions.
-  torch::Tensor share_loss(torch::Tensor loss, const Batch& target, bool last, int from) {
-    const std::string gone =
-        ": this process stopped before the step's loss arrived (it "
-        "aborted); build a new pipe";
-    if (!replicas_.many()) {
-      loss = transport_->share(loss, from, /*index=*/1);
-      TORCH_CHECK(loss.defined(), where_, gone);
-      return loss;
-    }
-    torch::Tensor value;
-    if (last) {
-      const auto rows = static_cast<double>(target[0].size(0));
-      const auto dtype = static_cast<double>(static_cast<int>(loss.scalar_type()));
-      value =
-          torch::stack({loss.detach().to(torch::kCPU, torch::kDouble).reshape({}),
-                        torch::tensor(rows, torch::kDouble), torch::tensor(dtype, torch::kDouble)});
-    }
-    const torch::Tensor shared = transport_->share(value, from, /*index=*/1);
-    TORCH_CHECK(shared.defined(), where_, gone);
-    if (!last) {
-      const auto dtype = static_cast<c10::ScalarType>(shared[2].item<double>());
-      loss = shared[0].to(dtype);
-    }
-    return replicas_.finish(loss, static_cast<std::int64_t>(shared[1].item<double>()));
-  }
-
   template <class Schedule>
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,
@@ -408,7 +322,8 @@ class PipeOverImpl : public detail::PlacedStages {
                 ": grad mode is off (a NoGradGuard is active); train_step computes gradients, so "
                 "call it with grad enabled");
     const auto placement = schedule::placement_of(sched, n);
-    check_placement(placement, schedule::workers_of(sched, n));
+    detail::check_placement(transport_->processes(), placement, schedule::workers_of(sched, n),
+                            where_, placement_fix_);
     const bool first = stages_.front() != nullptr, last = stages_.back() != nullptr;
     detail::check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
     runtime::TrainStep step;
@@ -438,9 +353,8 @@ class PipeOverImpl : public detail::PlacedStages {
     step.training = is_training();
     step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
     // With PipeOptions().offload(...): the plan's offloads and reloads, and the step's store.
-    const auto plan =
-        detail::with_offloads(schedule::plan(sched, n, m, static_cast<int>(step.stop)), options_,
-                              step, stages_);
+    const auto plan = detail::with_offloads(
+        schedule::plan(sched, n, m, static_cast<int>(step.stop)), options_, step, stages_);
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
     if (replicas_.many()) {
@@ -477,7 +391,8 @@ class PipeOverImpl : public detail::PlacedStages {
     try {
       // The last stage's process has the loss; every process returns it, and only once every
       // process finished the step (a failure anywhere fails the step everywhere).
-      loss = share_loss(loss, target, last, placement.back());
+      loss =
+          detail::share_loss(*transport_, replicas_, loss, target, last, placement.back(), where_);
       transport_->end_step();
     } catch (...) {
       transport_->abort(std::current_exception());  // the others stop too
