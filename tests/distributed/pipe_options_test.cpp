@@ -132,6 +132,42 @@ TEST_SUITE("distributed pipe options") {
     }
   }
 
+  TEST_CASE("a memory budget, and offload with data parallelism, are refused at construction") {
+    auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          const auto budget = error_of([&] {
+            sw::distributed::Pipe pipe(
+                c, batch_norm_model(), sw::balance{3, 3},
+                sw::PipeOptions().chunks(2).memory_budget(1 << 20, torch::randn({2, 6})));
+          });
+          expect(budget ==
+                     "stagewise::distributed::Pipe: PipeOptions().memory_budget(...) plans a "
+                     "one-process pipe from its profiles; on a distributed pipe set "
+                     "checkpoint(...) and offload(...) yourself (the memory_plan() of a "
+                     "one-process Pipe over the same model and budget says which)",
+                 budget);
+          const auto replicas = error_of([&] {
+            sw::distributed::Pipe pipe(
+                c, batch_norm_model(), sw::balance{6},
+                sw::PipeOptions().chunks(2).offload(sw::runtime::HostStore()),
+                sw::distributed::Options().data_parallel(2));
+          });
+          expect(replicas ==
+                     "stagewise::distributed::Pipe: PipeOptions().offload(...) with "
+                     "Options().data_parallel(2) is not supported yet (offload is tested with "
+                     "one replica); turn one of them off",
+                 replicas);
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
+
   TEST_CASE("devices: every rank places its stages as the one-process pipe does, and refuses alike") {
     auto r = run_ranks(
         2,

@@ -173,13 +173,35 @@ TEST_SUITE("offload") {
     check_same(plain, host);
   }
 
-  TEST_CASE("the file store writes one file per offloading stage and reuses it") {
+  TEST_CASE("the file store writes a file per offloading stage, its own alone, removed after") {
     const std::string dir = temp_dir("files");
-    (void)train(sw::runtime::FileStore(dir), sched::any_schedule("gpipe", sched::gpipe{}),
-                sw::balance{2, 2, 2, 2}, sw::Checkpoint::always, false);
-    CHECK_FALSE(std::filesystem::exists(dir + "/stage0.offload"));  // stage 0 keeps its inputs
-    for (int j = 1; j < 4; ++j)
-      CHECK(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
+    const auto options = sw::PipeOptions().chunks(4).checkpoint(sw::Checkpoint::always);
+    const auto x = torch::randn({10, 6});
+    const auto t = torch::randn({10, 3});
+    {
+      auto pipe = sw::Pipe(
+          model(), sw::balance{2, 2, 2, 2},
+          sw::PipeOptions(options).offload(sw::runtime::FileStore(dir), {.costs = {.offload = 0.0}}));
+      pipe->train_step(x, t, mse, sched::gpipe{});
+      CHECK_FALSE(std::filesystem::exists(dir + "/stage0.offload"));  // stage 0 keeps its inputs
+      for (int j = 1; j < 4; ++j) {
+        CHECK(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
+      }
+      // A second store over the same directory (another rank on this machine, another pipe)
+      // would write the same files: refused before its step runs.
+      auto other = sw::Pipe(
+          model(), sw::balance{2, 2, 2, 2},
+          sw::PipeOptions(options).offload(sw::runtime::FileStore(dir), {.costs = {.offload = 0.0}}));
+      CHECK(contains(error_of([&] { other->train_step(x, t, mse, sched::gpipe{}); }),
+                     "stagewise::FileStore('" + dir + "'): '" + dir +
+                         "/stage1.offload' exists: another FileStore (another process of the "
+                         "job, or another pipe) offloads stage 1 to this directory, or a run that "
+                         "crashed left it; give each process's store a directory of its own (e.g. "
+                         "one per rank), or remove the file"));
+    }
+    for (int j = 0; j < 4; ++j) {
+      CHECK_FALSE(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
+    }
   }
 
   TEST_CASE(

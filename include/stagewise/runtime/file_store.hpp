@@ -24,10 +24,11 @@ namespace stagewise::runtime {
 /// user names (a local NVMe disk, say). Offloading writes a cell's kept tensors to its stage's file
 /// and drops them from memory; reloading reads them back onto the stage's device. A stage's file
 /// is reused from its start whenever every tensor in it has been reloaded (each step, at the
-/// latest), so it never holds more than one step's offloads. A missing or unwritable directory
-/// fails the step before anything runs; a failed write (disk full) fails it at the offload, and in
-/// both cases the error names the store and the fix. The directory is not created: name one that
-/// exists.
+/// latest), so it never holds more than one step's offloads; it is removed with the store. A
+/// missing or unwritable directory, or a stage file already there (another store's: give each
+/// process of a job a directory of its own), fails the step before anything runs; a failed write
+/// (disk full) fails it at the offload; each error names the store and the fix. The directory is
+/// not created: name one that exists.
 ///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::FileStore("/nvme/offload"));
 class FileStore {
  public:
@@ -48,12 +49,20 @@ class FileStore {
       f->end = 0;
       if (f->fd >= 0) continue;
       const std::string path = path_of(j);
-      f->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      // Created here, never shared: two stores writing one file (two processes of a job on one
+      // machine, two pipes) would read each other's bytes.
+      f->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      TORCH_CHECK(f->fd >= 0 || errno != EEXIST, "stagewise::", describe(), ": '", path,
+                  "' exists: another FileStore (another process of the job, or another pipe) "
+                  "offloads stage ", j,
+                  " to this directory, or a run that crashed left it; give each process's store "
+                  "a directory of its own (e.g. one per rank), or remove the file");
       TORCH_CHECK(f->fd >= 0, "stagewise::", describe(), ": cannot open '", path, "' for stage ", j,
                   "'s offloaded activations (", std::strerror(errno), "); create the directory '",
                   dir_,
                   "' and make it writable, or give FileStore a directory that is (e.g. on a "
                   "local NVMe disk)");
+      f->path = path;
     }
   }
 
@@ -118,9 +127,12 @@ class FileStore {
     StageFile(const StageFile&) = delete;
     StageFile& operator=(const StageFile&) = delete;
     ~StageFile() {
-      if (fd >= 0) ::close(fd);
+      if (fd < 0) return;
+      ::close(fd);
+      ::unlink(path.c_str());  // scratch: removed with its store
     }
     int fd = -1;
+    std::string path;
     std::int64_t end = 0;                        // where the next tensor goes
     std::map<int, std::vector<Record>> records;  // per micro-batch; touched by the stage's worker
   };

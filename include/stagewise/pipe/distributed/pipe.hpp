@@ -266,6 +266,16 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                 "): each replica would keep running statistics of its own rows only, and the "
                 "replicas' would drift apart; turn one of them off (plain batch norm, or one "
                 "replica)");
+    TORCH_CHECK(!options.memory_budget(),
+                "stagewise::distributed::Pipe: PipeOptions().memory_budget(...) plans a "
+                "one-process pipe from its profiles; on a distributed pipe set checkpoint(...) "
+                "and offload(...) yourself (the memory_plan() of a one-process Pipe over the same "
+                "model and budget says which)");
+    TORCH_CHECK(!options.offload_store() || dist.data_parallel() == 1,
+                "stagewise::distributed::Pipe: PipeOptions().offload(...) with "
+                "Options().data_parallel(", dist.data_parallel(),
+                ") is not supported yet (offload is tested with one replica); turn one of them "
+                "off");
     Prepared p;
     p.specs = ::stagewise::detail::partition(
         ::stagewise::detail::with_deferred_batch_norm(seq, options), b);
