@@ -1,7 +1,11 @@
 // gpt: examples/gpt's transformer trained three ways on the same 2 cores, one intra-op thread
 // each: a plain LibTorch loop over the whole batch, the same loop over the pipe's micro-batches
 // (one backward each, then the step), and the pipe (2 stages split by balance_by_time, 1F1B,
-// checkpointing except_last, AdamW fused into backward). No clipping in any of them.
+// checkpointing except_last on stage 0 and never on stage 1, whose backward follows each forward
+// at once under 1F1B, so checkpointing it would save nothing; AdamW fused into backward). No
+// clipping in any of them. A fourth row measures the machine: the micro-batch loop on two threads
+// at once (two copies of the model, half the micro-batches each), the most any two-worker
+// pipeline can gain here.
 //   ./bazelw run -c opt //benchmarks:gpt [-- --rounds=5] [--batch=32] [--chunks=8] [--dim=64]
 // Model: 4 blocks, dim 64, 4 heads, context 64, byte vocabulary; batch 32 rows (2048 tokens),
 // chunks 8. Time: the variants alternate in rounds (benchmarks/common/rounds.hpp); tokens/s from
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 
 namespace sw = stagewise;
 namespace bench = stagewise::bench;
@@ -101,9 +106,30 @@ int main(int argc, char** argv) {
   };
   auto pipe_model = seeded_model(c);
   const auto b = sw::balance_by_time(2, pipe_model, x.chunk(chunks)[0]);
-  auto pipe = sw::Pipe(pipe_model, b, sw::PipeOptions().chunks(chunks));
+  auto pipe = sw::Pipe(pipe_model, b,
+                       sw::PipeOptions().chunks(chunks).checkpoint(
+                           {sw::Checkpoint::except_last, sw::Checkpoint::never}));
   sw::optim::FusedStep fused(pipe->parameters(), adamw);
   auto piped = [&] { pipe->train_step(x, y, gpt::lm_loss, fused, sw::schedule::one_f_one_b{}); };
+
+  // Two loops side by side, on half the micro-batches each: the machine's two-thread ceiling.
+  auto half_model = seeded_model(c);
+  auto other_model = seeded_model(c);
+  auto half_loop = [&](torch::nn::Sequential& m, int64_t from) {
+    at::set_num_threads(1);
+    auto xs = x.chunk(chunks);
+    auto ys = y.chunk(chunks);
+    for (std::size_t i = static_cast<std::size_t>(from); i < xs.size(); i += 2) {
+      (gpt::lm_loss(m->forward(xs[i]), ys[i]) * (double(xs[i].size(0)) / double(batch)))
+          .backward();
+    }
+    for (auto& p : m->parameters()) p.mutable_grad().reset();
+  };
+  auto two_loops = [&] {
+    std::thread other([&] { half_loop(other_model, 1); });
+    half_loop(half_model, 0);
+    other.join();
+  };
 
   std::printf("model: %lld blocks, dim %lld, %lld heads, context %lld; batch %lld rows (%lld "
               "tokens), chunks %lld; pipe split %lld/%lld layers\n",
@@ -117,6 +143,7 @@ int main(int argc, char** argv) {
   r.add("whole batch", whole);
   r.add("micro-batch loop", loop);
   r.add("pipe", piped);
+  r.add("two loops side by side", two_loops);
   r.run();
   r.print();
   const double tokens = double(batch * c.context);
@@ -128,6 +155,8 @@ int main(int argc, char** argv) {
   std::printf("%-18s %10.0f %12.2f\n", "pipe", tps("pipe"), peak_pipe / 1048576.0);
   bench::print_figure("pipe speed-up vs micro-batch loop", r.wall_ratio("micro-batch loop", "pipe"), "x");
   bench::print_figure("pipe speed-up vs whole batch", r.wall_ratio("whole batch", "pipe"), "x");
+  bench::print_figure("two threads' speed-up vs micro-batch loop (the ceiling)",
+                      r.wall_ratio("micro-batch loop", "two loops side by side"), "x");
   conditions.print_end();
   std::printf("gpt tokens_per_s_ratio=%.3f peak_ratio=%.3f\n",
               r.wall_ratio("micro-batch loop", "pipe").median,

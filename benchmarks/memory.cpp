@@ -157,9 +157,12 @@ int main() {
         *std::max_element(plan.predicted_peak.begin(), plan.predicted_peak.end());
     const bool ok = measured <= budget;
     respected = respected && ok;
+    std::string modes;
+    for (auto mode : plan.checkpoints) modes += std::string(modes.empty() ? "" : ",") +
+                                                 sw::to_string(mode);
     std::printf(
-        "  budget %10lld: checkpoint %-11s offload %-3s predicted %10.0f measured %10lld %s\n",
-        budget, sw::to_string(plan.checkpoint), plan.offload ? "yes" : "no", predicted, measured,
+        "  budget %10lld: checkpoint %-44s offload %-3s predicted %10.0f measured %10lld %s\n",
+        budget, modes.c_str(), plan.offload ? "yes" : "no", predicted, measured,
         ok ? "within" : "OVER");
   }
   std::filesystem::remove_all(dir);

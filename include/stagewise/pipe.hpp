@@ -66,7 +66,8 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
   Batch forward_batch(const Batch& input) {
     if (stages_.empty()) return input;
     if (has_deferred_batch_norms()) begin_mini_batch(scatter(input, options_.chunks()).size());
-    return runtime::run_clock_cycles(stages_, input, options_.chunks(), options_.checkpoint(),
+    return runtime::run_clock_cycles(stages_, input, options_.chunks(),
+                                     options_.checkpoints(stages_.size()),
                                      is_training(), skips_->empty() ? nullptr : skips_);
   }
 

@@ -46,7 +46,7 @@ TEST_SUITE("memory budget") {
     const auto memory = sw::profile_stage_memory(model(), b, sample);
     // The smallest budget GPipe fits: stages 1..3 (wide inputs) only fit by offloading.
     const auto loose = sched::plan_memory(gpipe, 8, memory, 1LL << 30, true);
-    CHECK(loose.checkpoint == sw::Checkpoint::never);
+    for (auto mode : loose.checkpoints) CHECK(mode == sw::Checkpoint::never);
     const auto smallest_error =
         error_of([&] { (void)sched::plan_memory(gpipe, 8, memory, 1, true); });
     const auto smallest = std::stoll(smallest_error.substr(smallest_error.find("fits is ") + 8));
@@ -57,14 +57,16 @@ TEST_SUITE("memory budget") {
                                 smallest, sample, sw::runtime::HostStore(), gpipe));
     const auto& plan = planned->memory_plan();
     CHECK(plan.offload);
-    CHECK(planned->options().checkpoint() == plan.checkpoint);
+    for (std::size_t j = 0; j < 4; ++j) {
+      CHECK(planned->options().checkpoint_of(j) == plan.checkpoints[j]);
+    }
     CHECK(planned->options().offload_store().has_value());
     CHECK(contains(plan.to_string(), "memory plan for gpipe, 8 micro-batches, budget " +
                                          std::to_string(smallest) + " bytes per stage"));
     // The same pipe by hand.
     torch::manual_seed(2);
     auto hand_model = model();
-    auto hand = sw::Pipe(hand_model, b, sw::PipeOptions().chunks(8).checkpoint(plan.checkpoint));
+    auto hand = sw::Pipe(hand_model, b, sw::PipeOptions().chunks(8).checkpoint(plan.checkpoints));
     const auto x = torch::randn({128, 8});
     const auto t = torch::randn({128, 4});
     auto loss = [](const torch::Tensor& y, const torch::Tensor& z) {

@@ -7,6 +7,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace stagewise {
 
@@ -39,6 +40,15 @@ inline int64_t checkpoint_stop(Checkpoint mode, int64_t m, bool training) {
       return 0;
   }
   return 0;
+}
+
+/// `checkpoint_stop` for each stage's mode, in stage order.
+inline std::vector<int64_t> checkpoint_stops(const std::vector<Checkpoint>& modes, int64_t m,
+                                             bool training) {
+  std::vector<int64_t> out;
+  out.reserve(modes.size());
+  for (auto mode : modes) out.push_back(checkpoint_stop(mode, m, training));
+  return out;
 }
 
 inline const char* to_string(Checkpoint mode) {

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -41,10 +42,24 @@ class PipeOptions {
     chunks_ = n;
     return *this;
   }
-  /// Checkpointing mode (default except_last).
+  /// Checkpointing mode of every stage (default except_last).
   PipeOptions& checkpoint(Checkpoint mode) {
     (void)to_string(mode);  // rejects values outside the enum
     checkpoint_ = mode;
+    stage_checkpoints_.clear();
+    return *this;
+  }
+  /// One checkpointing mode per stage, in stage order: e.g. 1F1B's last stage runs each
+  /// micro-batch's backward right after its forward, so checkpointing it saves nothing and costs
+  /// a recompute. The pipe refuses a list whose length is not its number of stages.
+  ///   sw::PipeOptions().chunks(8).checkpoint({sw::Checkpoint::except_last,
+  ///                                           sw::Checkpoint::never})
+  PipeOptions& checkpoint(std::vector<Checkpoint> per_stage) {
+    TORCH_CHECK(!per_stage.empty(),
+                "stagewise::PipeOptions: checkpoint got an empty list of modes; give one mode "
+                "per stage, or one mode for all (checkpoint(Checkpoint::except_last))");
+    for (auto mode : per_stage) (void)to_string(mode);
+    stage_checkpoints_ = std::move(per_stage);
     return *this;
   }
   /// Checkpointing mode by name: "always", "except_last" or "never".
@@ -84,9 +99,10 @@ class PipeOptions {
   }
 
   /// A memory budget (default none): a pipe built from a Sequential profiles each stage on
-  /// `sample` (one micro-batch) and picks, with `schedule::plan_memory`, the fastest checkpoint
-  /// mode and offload choice (to `store`, if given) whose predicted activation peak is at most
-  /// `bytes` on every stage for `sched`; it sets `checkpoint(...)` and `offload(...)` accordingly,
+  /// `sample` (one micro-batch) and picks, with `schedule::plan_memory`, each stage's checkpoint
+  /// mode and offload choice (to `store`, if given), the fastest plan whose predicted activation
+  /// peak is at most `bytes` on every stage for `sched`; it sets `checkpoint({...})` and
+  /// `offload(...)` accordingly,
   /// and `pipe->memory_plan()` prints what it chose. When nothing fits, construction fails naming
   /// the smallest budget that would. The budget counts activations, not parameters, gradients or
   /// optimizer state.
@@ -113,13 +129,38 @@ class PipeOptions {
   const std::optional<schedule::MemoryPlan>& memory_plan() const { return memory_plan_; }
   const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
   const schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
-  Checkpoint checkpoint() const { return checkpoint_; }
+  /// The mode of every stage; an error when the modes differ per stage (read checkpoint_of).
+  Checkpoint checkpoint() const {
+    for (auto mode : stage_checkpoints_) {
+      TORCH_CHECK(mode == stage_checkpoints_.front(),
+                  "stagewise::PipeOptions::checkpoint(): the stages have different modes; read "
+                  "each with checkpoint_of(stage)");
+    }
+    return stage_checkpoints_.empty() ? checkpoint_ : stage_checkpoints_.front();
+  }
+  /// The mode of stage `stage`.
+  Checkpoint checkpoint_of(std::size_t stage) const {
+    if (stage_checkpoints_.empty()) return checkpoint_;
+    TORCH_CHECK_INDEX(stage < stage_checkpoints_.size(), "stagewise::PipeOptions: checkpoint ",
+                      "gives modes for ", stage_checkpoints_.size(), " stages, not stage ", stage);
+    return stage_checkpoints_[stage];
+  }
+  /// Each of `stages` stages' mode, in order; refuses a per-stage list of another length.
+  std::vector<Checkpoint> checkpoints(std::size_t stages) const {
+    TORCH_CHECK(stage_checkpoints_.empty() || stage_checkpoints_.size() == stages,
+                "stagewise::PipeOptions: checkpoint gives ", stage_checkpoints_.size(),
+                " modes for a pipe of ", stages,
+                " stages; give one mode per stage, or one mode for all");
+    return stage_checkpoints_.empty() ? std::vector<Checkpoint>(stages, checkpoint_)
+                                      : stage_checkpoints_;
+  }
   const std::vector<torch::Device>& devices() const { return devices_; }
   bool deferred_batch_norm() const { return deferred_batch_norm_; }
 
  private:
   int64_t chunks_ = 1;
   Checkpoint checkpoint_ = Checkpoint::except_last;
+  std::vector<Checkpoint> stage_checkpoints_;  // empty: checkpoint_ on every stage
   std::vector<torch::Device> devices_;
   bool deferred_batch_norm_ = false;
   std::optional<runtime::AnyStore> offload_store_;

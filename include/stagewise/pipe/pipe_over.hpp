@@ -231,6 +231,7 @@ class PipeOverImpl : public detail::PlacedStages {
                 ": the transport places ", here.stage.size(), " stages but the balance makes ",
                 specs.size(), "; build the transport for the pipe's stages");
     auto local = [&](std::size_t j) { return here.runs(j); };
+    (void)options_.checkpoints(specs.size());  // one mode per stage, or one for all
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     for (const auto& spec : specs) {
       modules.push_back(spec.module);
@@ -351,10 +352,11 @@ class PipeOverImpl : public detail::PlacedStages {
     step.loss_fn = std::move(loss_fn);
     if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
     step.training = is_training();
-    step.stop = checkpoint_stop(options_.checkpoint(), m, step.training);
+    step.stops = checkpoint_stops(options_.checkpoints(stages_.size()), m, step.training);
     // With PipeOptions().offload(...): the plan's offloads and reloads, and the step's store.
     const auto plan = detail::with_offloads(
-        schedule::plan(sched, n, m, static_cast<int>(step.stop)), options_, step, stages_);
+        schedule::plan(sched, n, m, std::vector<int>(step.stops.begin(), step.stops.end())),
+        options_, step, stages_);
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
     if (replicas_.many()) {

@@ -18,6 +18,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,7 +53,10 @@ struct TrainStep {
   std::vector<Batch> targets;
   std::vector<double> weights;  // each micro-batch's share of the loss
   loss_fn_t loss_fn;
-  int64_t stop = 0;  // micro-batches below it are checkpointed
+  std::vector<int64_t> stops;  // per stage: its micro-batches below it are checkpointed
+  int64_t stop_of(int stage) const {
+    return stops.empty() ? 0 : stops[static_cast<std::size_t>(stage)];
+  }
   bool training = true;
   std::chrono::steady_clock::time_point start;  // time zero of a recorded timeline
   std::shared_ptr<::stagewise::runtime::detail::TrainSkips> skips;  // skip connections; null: none
@@ -86,7 +90,8 @@ inline torch::Tensor micro_batch_loss(const Batch& out, TrainStep& step, int i) 
 // F: runs stage j on micro-batch i from `x` and keeps what its backward needs; returns the output.
 inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x, TrainStep& step,
                           CellMemory& cell, torch::Tensor& total) {
-  const bool replay = step.stop > 0;
+  const int64_t stop = step.stop_of(j);
+  const bool replay = stop > 0;
   cell.input_atomic = x.atomic();
   for (const auto& t : x) {
     const bool grad = j > 0 && (t.is_floating_point() || t.is_complex());
@@ -101,7 +106,7 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
     return out;
   };
   std::optional<Batch> out;
-  if (i < step.stop) {
+  if (i < stop) {
     stage.rng.run(step.training, [&] {
       cell.replay =
           ::stagewise::detail::run_checkpointed(stage.device, [&] { out.emplace(run()); });
@@ -114,9 +119,9 @@ inline Batch forward_cell(StageRuntime& stage, int j, int i, bool last, Batch x,
   if (last) {
     auto value = cell.loss.detach();
     total = total.defined() ? total + value : value;
-    if (i < step.stop) cell.loss = torch::Tensor();  // recomputed with grad later
+    if (i < stop) cell.loss = torch::Tensor();  // recomputed with grad later
   }
-  if (i >= step.stop) cell.outputs.assign(out->begin(), out->end());
+  if (i >= stop) cell.outputs.assign(out->begin(), out->end());
   return std::move(*out);
 }
 

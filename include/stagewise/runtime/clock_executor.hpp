@@ -10,8 +10,10 @@
 #include "stagewise/schedule/clock.hpp"
 #include "stagewise/skip/layout.hpp"
 
+#include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -28,13 +30,15 @@ namespace stagewise::runtime {
 /// `skips` routes the skip connections (through portals). The input may be on any device: each
 /// micro-batch moves to stage 0's; the output is on the last stage's device.
 inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages,
-                              const Batch& input, int64_t chunks, Checkpoint mode, bool training,
+                              const Batch& input, int64_t chunks,
+                              const std::vector<Checkpoint>& modes, bool training,
                               std::shared_ptr<const ::stagewise::detail::SkipLayout> skips = {}) {
   std::vector<Batch> batches = scatter(input, chunks);
   const int m = static_cast<int>(batches.size());
   const int n = static_cast<int>(stages.size());
-  const int64_t stop = checkpoint_stop(mode, m, training);
-  const bool replay = stop > 0;
+  TORCH_CHECK(modes.size() == stages.size(), "stagewise::run_clock_cycles: ", modes.size(),
+              " checkpoint modes for ", stages.size(), " stages; give one per stage");
+  const std::vector<int64_t> stops = checkpoint_stops(modes, m, training);
   ::stagewise::runtime::detail::ForwardSkips portals(std::move(skips), batches.size());
   StreamFence fence(stages);
 
@@ -71,7 +75,8 @@ inline Batch run_clock_cycles(std::vector<std::unique_ptr<StageRuntime>>& stages
           const auto c = cycle[k];
           const ErrorContext where{c.stage, c.micro, Phase::forward};
           try {
-            outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, replay, training,
+            const int64_t stop = stops[static_cast<std::size_t>(c.stage)];
+            outs[k].emplace(stages[c.stage]->run(batches[c.micro], c.micro < stop, stop > 0, training,
                                                  portals.wrapper(c.micro, c.stage), where));
           } catch (...) {
             ::stagewise::detail::annotate_current_exception(where);

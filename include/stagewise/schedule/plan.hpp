@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -52,31 +53,36 @@ struct Plan {
 
 namespace detail {
 
-// Lays verified actions out per worker. A checkpointed cell (micro < checkpointed) without an R
-// from the schedule gets one right before its first B or I; an R on a cell that is not
+// Lays verified actions out per worker. A checkpointed cell (micro < checkpointed[stage]) without
+// an R from the schedule gets one right before its first B or I; an R on a cell that is not
 // checkpointed is an error: such a cell kept its activations, so there is nothing to rebuild.
 inline Plan lay_out(const std::vector<Action>& actions, int stages, int micro_batches,
-                    std::vector<int> placement, int workers, int checkpointed) {
+                    std::vector<int> placement, int workers, const std::vector<int>& checkpointed) {
+  TORCH_CHECK(static_cast<int>(checkpointed.size()) == stages, "stagewise::schedule::plan: ",
+              checkpointed.size(), " checkpointed counts for ", stages,
+              " stages; give one per stage");
   Plan p{stages, micro_batches, workers,
          std::vector<std::vector<Action>>(static_cast<std::size_t>(workers)), std::move(placement)};
   auto cell = [&](const Action& a) {
     return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(micro_batches) +
            static_cast<std::size_t>(a.micro);
   };
+  auto stop = [&](const Action& a) { return checkpointed[static_cast<std::size_t>(a.stage)]; };
   std::vector<char> recomputed(
       static_cast<std::size_t>(stages) * static_cast<std::size_t>(micro_batches), 0);
   for (std::size_t k = 0; k < actions.size(); ++k) {
     const Action& a = actions[k];
-    TORCH_CHECK(a.kind != ActionKind::offload || a.micro < checkpointed,
+    TORCH_CHECK(a.kind != ActionKind::offload || a.micro < stop(a),
                 "stagewise::schedule::plan: ", at(a, k), " offloads micro-batch ", a.micro,
                 ", which is not checkpointed; only a checkpointed cell keeps no more than its "
                 "inputs, which is what an offload moves. Remove the O (and its L), or checkpoint "
                 "that micro-batch (Checkpoint::always)");
     if (a.kind != ActionKind::recompute) continue;
-    TORCH_CHECK(a.micro < checkpointed, "stagewise::schedule::plan: ", at(a, k),
+    TORCH_CHECK(a.micro < stop(a), "stagewise::schedule::plan: ", at(a, k),
                 " recomputes micro-batch ", a.micro, ", which is not checkpointed (",
-                checkpointed == 0 ? std::string("no micro-batch is")
-                                  : "micro-batches 0.." + std::to_string(checkpointed - 1) + " are",
+                stop(a) == 0 ? std::string("no micro-batch is")
+                             : "micro-batches 0.." + std::to_string(stop(a) - 1) + " are",
+                stages > 1 ? " on stage " + std::to_string(a.stage) : std::string(),
                 "); a cell that is not checkpointed keeps its activations, so there is nothing to "
                 "recompute. Remove the R, or checkpoint that micro-batch (Checkpoint::always)");
     recomputed[cell(a)] = 1;
@@ -85,7 +91,7 @@ inline Plan lay_out(const std::vector<Action>& actions, int stages, int micro_ba
     auto& program = p.programs[static_cast<std::size_t>(p.worker_of(a.stage))];
     const bool needs_graph = a.kind == ActionKind::backward || a.kind == ActionKind::input_grad;
     auto& done = recomputed[cell(a)];
-    if (needs_graph && a.micro < checkpointed && !done) {
+    if (needs_graph && a.micro < stop(a) && !done) {
       // The worker runs R as soon as its previous action is done, so the recompute overlaps with
       // the later stages' backward instead of waiting for the gradient.
       program.push_back({a.stage, ActionKind::recompute, a.micro});
@@ -142,14 +148,14 @@ inline void verify(const Plan& p) {
   TORCH_CHECK(!problem, "stagewise::schedule::verify: ", problem.value_or(""));
 }
 
-/// Verifies `sched` (see `verify`) and lays it out as a Plan for the first `checkpointed`
-/// micro-batches checkpointed: a schedule may place their recomputes itself (yield
+/// Verifies `sched` (see `verify`) and lays it out as a Plan with the first `checkpointed[k]`
+/// micro-batches of stage k checkpointed: a schedule may place their recomputes itself (yield
 /// `ActionKind::recompute` between the cell's F and its first B or I, e.g. late, to hold less
 /// memory); every checkpointed cell it leaves out gets an R right before its first B or I.
 /// An R for a micro-batch that is not checkpointed is an error naming the action.
-///   auto p = stagewise::schedule::plan(stagewise::schedule::zero_bubble_v{}, 8, 8, 7);
+///   auto p = stagewise::schedule::plan(stagewise::schedule::one_f_one_b{}, 2, 8, {7, 0});
 template <pipeline_schedule S>
-Plan plan(const S& sched, int stages, int micro_batches, int checkpointed = 0) {
+Plan plan(const S& sched, int stages, int micro_batches, const std::vector<int>& checkpointed) {
   const int workers = workers_of(sched, stages);
   auto placement = placement_of(sched, stages);
   const auto actions = detail::collect(sched, stages, micro_batches);
@@ -157,6 +163,14 @@ Plan plan(const S& sched, int stages, int micro_batches, int checkpointed = 0) {
   TORCH_CHECK(!problem, "stagewise::schedule::verify: ", problem.value_or(""));
   return detail::lay_out(actions, stages, micro_batches, std::move(placement), workers,
                          checkpointed);
+}
+
+/// `plan` with the first `checkpointed` micro-batches checkpointed on every stage.
+///   auto p = stagewise::schedule::plan(stagewise::schedule::zero_bubble_v{}, 8, 8, 7);
+template <pipeline_schedule S>
+Plan plan(const S& sched, int stages, int micro_batches, int checkpointed = 0) {
+  return plan(sched, stages, micro_batches,
+              std::vector<int>(static_cast<std::size_t>(std::max(stages, 0)), checkpointed));
 }
 
 }  // namespace stagewise::schedule

@@ -1,8 +1,8 @@
 #pragma once
 
 // What a pipe built from a Sequential does with PipeOptions().memory_budget(...): profile each
-// stage on the sample, plan (schedule::plan_memory), and set the checkpoint mode and offload the
-// plan chose, keeping the plan for pipe->memory_plan().
+// stage on the sample, plan (schedule::plan_memory), and set each stage's checkpoint mode and the
+// offloads the plan chose, keeping the plan for pipe->memory_plan().
 
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/schedule/memory_plan.hpp"
@@ -22,8 +22,12 @@ inline PipeOptions with_memory_plan(const torch::nn::Sequential& seq, const bala
   const auto memory = profile_stage_memory(seq, b, budget.sample);
   auto plan = schedule::plan_memory(budget.schedule, static_cast<int>(options.chunks()), memory,
                                     budget.bytes, budget.store.has_value(), budget.costs);
-  options.checkpoint(plan.checkpoint);
-  if (plan.offload) options.offload(*budget.store, budget.costs);
+  options.checkpoint(plan.checkpoints);
+  if (plan.offload) {
+    schedule::OffloadCosts costs = budget.costs;
+    costs.stages = plan.offload_stages;
+    options.offload(*budget.store, costs);
+  }
   options.memory_plan(std::move(plan));
   return options;
 }

@@ -21,7 +21,9 @@ namespace stagewise::detail {
 template <class Stages>
 schedule::Plan with_offloads(schedule::Plan plan, const PipeOptions& options,
                              runtime::TrainStep& step, const Stages& stages) {
-  if (!options.offload_store() || step.stop == 0) return plan;
+  bool checkpointed = false;
+  for (auto stop : step.stops) checkpointed = checkpointed || stop > 0;
+  if (!options.offload_store() || !checkpointed) return plan;
   schedule::OffloadCosts costs = options.offload_costs();
   if (costs.stages.empty()) {
     costs.stages.assign(static_cast<std::size_t>(plan.stages), true);
