@@ -171,6 +171,6 @@ TEST_SUITE("train_step: V-shaped, looped and CSV schedules") {
           pipe->train_step(torch::randn({4, 6}), torch::randn({4, 3}), mse, early_recompute{});
         }),
         "R0@0 (action #2) recomputes micro-batch 0, which is not checkpointed (no "
-        "micro-batch is)"));
+        "micro-batch is on stage 0)"));
   }
 }
