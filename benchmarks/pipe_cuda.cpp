@@ -2,7 +2,7 @@
 // layers run unpipelined; the fused optimizer step against the standard one; ParallelBranches of 8
 // small experts against the same experts run one after another. Every figure is defined in
 // docs/benchmarks.md ("pipe_cuda (GPU)").
-//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcd]
+//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcde]
 // Needs a CUDA LibTorch and a GPU: without one it exits with code 2 and says so.
 //
 // (a) large: 16 x (Linear(4096,4096), GELU) in 4 stages of 4 layers, batch 1024, chunks 8 (128-row
@@ -24,13 +24,24 @@
 //     stream, launched one after another), and the forward alone; (d2) the same for experts 16
 //     times larger [Linear(2048,8192), GELU, Linear(8192,2048)] with as few rows.
 //
+// (e) activation offload on an activation-dominated model, 16 x (Linear(2048,2048), GELU) in 4
+//     stages, batch 65536, chunks 16 (the boundaries in flight under GPipe, 2 GiB, are 4x the
+//     parameters and their gradients): train_step GPipe and 1F1B with checkpoint always, without
+//     and with HostStore offload (costs measured: a boundary's copy against a stage's forward),
+//     and pipe->forward + backward with except_last (torchgpipe's semantics and default).
 // The last line is
 //   pipe_cuda overhead_vs_loop=X ckpt_always_peak_ratio=Y branches_speedup=Z
+//             offload_peak_ratio=P offload_time_ratio=T offload_vs_torchgpipe_peak=Q
+//             offload_vs_torchgpipe_time=U
 // overhead_vs_loop: (a) train_step with the 1F1B schedule, checkpoint never / the micro-batch loop,
 //   wall time, median of the per-round ratios (goal on an H100: <= 1.02);
 // ckpt_always_peak_ratio: (a) peak of train_step 1F1B with checkpoint always / with never;
 // branches_speedup: (d) the headline experts one after another / ParallelBranches,
 //   forward+backward wall time, median of the per-round ratios (goal on an H100: >= 1.5).
+// offload_peak_ratio, offload_time_ratio: (e) GPipe, always: peak and wall time (median of the
+//   per-round ratios) with offload / without (goals: <= 0.5 at <= 1.05);
+// offload_vs_torchgpipe_peak, _time: (e) GPipe, always, offload / the torchgpipe-style row
+//   (goals: <= 0.6 and <= 1.05).
 // A phase that does not finish within its time limit (a hang) ends the program with code 3 after
 // printing the last line with nan for the figures not measured.
 #include <stagewise/stagewise.hpp>
@@ -195,7 +206,7 @@ struct Options {
   bool quick = false;
   bool tf32 = false;
   std::string device = "cuda:0";
-  std::string sections = "abcd";
+  std::string sections = "abcde";
 };
 
 struct ModelSpec {
@@ -604,12 +615,147 @@ bench::Summary branches_section(bool quick, const Gpu& gpu, const Options& opt,
   return speedup;
 }
 
+// ---- (e): activation offload -----------------------------------------------------------------
+
+struct OffloadResult {
+  bench::Summary time_ratio;              // GPipe, always: with offload / without
+  double peak_ratio = std::nan("");       // the same, peaks
+  bench::Summary torchgpipe_time_ratio;   // GPipe, always, offload / torchgpipe-style forward
+  double torchgpipe_peak_ratio = std::nan("");
+};
+
+// Milliseconds of `fn` on the GPU, the median of 5 calls after one warm-up.
+double gpu_ms(const Gpu& gpu, const std::function<void()>& fn) {
+  fn();
+  gpu.sync();
+  std::vector<double> ms;
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    gpu.sync();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                           start)
+                     .count());
+  }
+  return bench::summarize(ms).median;
+}
+
+// An activation-dominated model: each stage's input (what a checkpointed cell keeps, its
+// boundary), for every micro-batch in flight, outweighs the parameters and their gradients.
+// Checkpoint always, so every cell keeps only its boundary; with offload, HostStore moves the
+// boundaries of stages 1..3 to pinned host memory and back, placed by schedule::offload from the
+// copy and forward times measured here. The torchgpipe-style row is pipe->forward(x) + backward
+// (torchgpipe's semantics and its default, checkpoint except_last), whose peak matched
+// torchgpipe's on an H200 within a few MiB; torchgpipe itself is not installable on the GPU
+// machine (no network), so this row stands for it.
+OffloadResult offload_section(const ModelSpec& spec, const Gpu& gpu, const Options& opt) {
+  auto model = mlp(spec, gpu.device);
+  const auto params = model->parameters();
+  const auto x = torch::randn({spec.batch, spec.width}, gpu.device);
+  const auto t = torch::randn({spec.batch, spec.width}, gpu.device);
+  const auto reset = [params] { reset_grads(params); };
+  const sw::balance balance = sw::even_balance(2 * spec.layers, kStages);
+  const std::vector<torch::Device> devices(kStages, gpu.device);
+
+  // The offload pass's costs, in units of one stage's forward on one micro-batch.
+  const auto micro = x.chunk(spec.chunks)[0].contiguous();
+  auto stage = mlp(ModelSpec{"", spec.width, spec.layers / kStages, 0, 0, 0}, gpu.device);
+  const double forward_ms = gpu_ms(gpu, [&] {
+    torch::NoGradGuard no_grad;
+    (void)stage->forward(micro);
+  });
+  auto host = torch::empty_like(micro, torch::TensorOptions().device(torch::kCPU).pinned_memory(true));
+  const double copy_ms = gpu_ms(gpu, [&] { host.copy_(micro, /*non_blocking=*/true); });
+  sw::schedule::OffloadCosts costs;
+  costs.costs.offload = copy_ms / forward_ms;
+  costs.costs.reload = copy_ms / forward_ms;
+
+  const auto always = sw::PipeOptions().chunks(spec.chunks).checkpoint("always").devices(devices);
+  sw::runtime::HostStore store;
+  std::vector<std::pair<std::string, std::function<void()>>> variants;
+  std::vector<sw::Pipe<>> pipes;
+  for (const auto& [name, run] : schedules()) {
+    if (name == "ZB-H1") continue;
+    for (bool off : {false, true}) {
+      pipes.push_back(sw::Pipe(model, balance,
+                               off ? sw::PipeOptions(always).offload(store, costs) : always));
+      variants.emplace_back("train_step " + name + ", always" + (off ? ", offload" : ""),
+                            [&x, &t, reset, pipe = pipes.back(), run = run]() mutable {
+                              reset();
+                              run(pipe, x, t);
+                            });
+    }
+  }
+  const char* torchgpipe = "pipe->forward + backward, except_last (torchgpipe)";
+  pipes.push_back(sw::Pipe(
+      model, balance, sw::PipeOptions().chunks(spec.chunks).checkpoint("except_last").devices(devices)));
+  variants.emplace_back(torchgpipe, [&x, &t, reset, pipe = pipes.back()]() mutable {
+    reset();
+    mse(pipe->forward(x), t).backward();
+  });
+
+  bench::Rounds r(opt.rounds, spec.calls, /*warmup=*/1);
+  for (const auto& [name, fn] : variants) r.add(name, gpu.synced(fn));
+  r.run();
+  std::printf("(e) offload: %s; checkpoint always; HostStore (pinned host memory)\n",
+              spec.title.c_str());
+  std::printf("  measured: one stage's forward on a micro-batch %.3f ms, its boundary's copy to "
+              "the host %.3f ms (%.1f MiB): offload and reload cost %.3f forwards\n",
+              forward_ms, copy_ms, mib(static_cast<long long>(micro.nbytes())),
+              costs.costs.offload);
+  r.print();
+  OffloadResult out;
+  for (const char* s : {"GPipe", "1F1B"}) {
+    const std::string base = std::string("train_step ") + s + ", always";
+    const auto ratio = r.wall_ratio(base + ", offload", base);
+    bench::print_figure(std::string(s) + ": time with offload / without", ratio, "x");
+    if (std::string(s) == "GPipe") out.time_ratio = ratio;
+  }
+  out.torchgpipe_time_ratio = r.wall_ratio("train_step GPipe, always, offload", torchgpipe);
+  bench::print_figure("GPipe with offload / torchgpipe-style", out.torchgpipe_time_ratio, "x");
+
+  long long param_bytes = 0;
+  for (const auto& p : params) param_bytes += static_cast<long long>(p.nbytes());
+  std::printf(
+      "(e) memory: parameters %.1f MiB and their gradients %.1f MiB; boundaries in flight under "
+      "GPipe: %lld micro-batches x %d stages x %.1f MiB = %.1f MiB\n",
+      mib(param_bytes), mib(param_bytes), static_cast<long long>(spec.chunks), kStages,
+      mib(static_cast<long long>(micro.nbytes())),
+      mib(static_cast<long long>(micro.nbytes()) * spec.chunks * kStages));
+  std::printf("  %-52s %10s %10s %10s\n", "variant", "base_MiB", "peak_MiB", "step_MiB");
+  std::vector<Peak> peaks;
+  for (const auto& [name, fn] : variants) {
+    peaks.push_back(measure_peak(gpu, reset, fn));
+    std::printf("  %-52s %10.1f %10.1f %10.1f\n", name.c_str(), mib(peaks.back().base),
+                mib(peaks.back().peak), mib(peaks.back().peak - peaks.back().base));
+  }
+  auto peak_of = [&](const std::string& name) {
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      if (variants[i].first == name) return static_cast<double>(peaks[i].peak);
+    }
+    return std::nan("");
+  };
+  for (const char* s : {"GPipe", "1F1B"}) {
+    const std::string base = std::string("train_step ") + s + ", always";
+    const double ratio = peak_of(base + ", offload") / peak_of(base);
+    row(std::string(s) + ": peak with offload / without", ratio, "");
+    if (std::string(s) == "GPipe") out.peak_ratio = ratio;
+  }
+  out.torchgpipe_peak_ratio = peak_of("train_step GPipe, always, offload") / peak_of(torchgpipe);
+  row("GPipe with offload / torchgpipe-style, peak", out.torchgpipe_peak_ratio, "");
+  std::printf("  pinned host buffers: %lld allocated, %.1f MiB (none after the first step)\n",
+              static_cast<long long>(store.pinned_allocations()),
+              mib(static_cast<long long>(store.pinned_bytes())));
+  reset();
+  return out;
+}
+
 // ---- main --------------------------------------------------------------------------------------
 
 [[noreturn]] void usage_error(const std::string& what) {
   std::fprintf(stderr,
                "pipe_cuda: %s\nusage: pipe_cuda [--rounds N] [--quick] [--device cuda:N] "
-               "[--tf32] [--sections abcd]\n",
+               "[--tf32] [--sections abcde]\n",
                what.c_str());
   std::exit(2);
 }
@@ -633,8 +779,8 @@ Options parse(int argc, char** argv) {
       opt.device = value("--device");
     } else if (arg == "--sections" || arg.rfind("--sections=", 0) == 0) {
       opt.sections = value("--sections");
-      if (opt.sections.empty() || opt.sections.find_first_not_of("abcd") != std::string::npos) {
-        usage_error("--sections takes letters of abcd, e.g. --sections d (got '" + opt.sections +
+      if (opt.sections.empty() || opt.sections.find_first_not_of("abcde") != std::string::npos) {
+        usage_error("--sections takes letters of abcde, e.g. --sections e (got '" + opt.sections +
                     "')");
       }
     } else if (arg == "--quick") {
@@ -643,12 +789,12 @@ Options parse(int argc, char** argv) {
       opt.tf32 = true;
     } else if (arg == "-h" || arg == "--help") {
       std::printf(
-          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcd]\n"
+          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcde]\n"
           "  --rounds N       alternating rounds per table (default 7; 2 with --quick)\n"
           "  --quick          small sizes, for a smoke run (its figures mean nothing)\n"
           "  --device cuda:N  the GPU (default cuda:0); every stage goes there\n"
           "  --tf32           allow TF32 in fp32 matrix products (default: LibTorch's setting)\n"
-          "  --sections abcd  the sections to run (default all; the last line says nan for\n"
+          "  --sections abcde the sections to run (default all; the last line says nan for\n"
           "                   the figures of sections left out)\n"
           "Figures: docs/benchmarks.md, section \"pipe_cuda (GPU)\".\n");
       std::exit(0);
@@ -708,11 +854,17 @@ int main(int argc, char** argv) {
 
   // The headline figures so far, for the last line (also printed by the watchdog on a hang).
   std::atomic<double> overhead{std::nan("")}, ckpt_ratio{std::nan("")}, branches{std::nan("")};
+  std::atomic<double> offload_peak{std::nan("")}, offload_time{std::nan("")};
+  std::atomic<double> vs_torchgpipe_peak{std::nan("")}, vs_torchgpipe_time{std::nan("")};
   const auto last_line = [&] {
     conditions.print_end();
-    std::printf("pipe_cuda overhead_vs_loop=%s ckpt_always_peak_ratio=%s branches_speedup=%s\n",
-                fmt(overhead.load()).c_str(), fmt(ckpt_ratio.load()).c_str(),
-                fmt(branches.load()).c_str());
+    std::printf(
+        "pipe_cuda overhead_vs_loop=%s ckpt_always_peak_ratio=%s branches_speedup=%s "
+        "offload_peak_ratio=%s offload_time_ratio=%s offload_vs_torchgpipe_peak=%s "
+        "offload_vs_torchgpipe_time=%s\n",
+        fmt(overhead.load()).c_str(), fmt(ckpt_ratio.load()).c_str(), fmt(branches.load()).c_str(),
+        fmt(offload_peak.load()).c_str(), fmt(offload_time.load()).c_str(),
+        fmt(vs_torchgpipe_peak.load()).c_str(), fmt(vs_torchgpipe_time.load()).c_str());
     std::fflush(stdout);
   };
   Watchdog watchdog([&](const std::string& what) {
@@ -757,6 +909,22 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (runs('d')) branches = branches_section(q, gpu, opt, watchdog).median;
+  if (runs('e')) {
+    watchdog.phase("(e) offload", std::chrono::seconds(400));
+    const ModelSpec heavy{q ? "16 x (Linear(256,256), GELU) in 4 stages, batch 4096, chunks 16"
+                            : "16 x (Linear(2048,2048), GELU) in 4 stages, batch 65536, chunks 16",
+                          q ? 256 : 2048,
+                          16,
+                          q ? 4096 : 65536,
+                          16,
+                          1};
+    const auto e = offload_section(heavy, gpu, opt);
+    offload_peak = e.peak_ratio;
+    offload_time = e.time_ratio.median;
+    vs_torchgpipe_peak = e.torchgpipe_peak_ratio;
+    vs_torchgpipe_time = e.torchgpipe_time_ratio.median;
+    std::fflush(stdout);
+  }
 
   watchdog.phase("the summary", std::chrono::seconds(60));
   if (runs('a')) {

@@ -1,11 +1,16 @@
 // The offload stores: what goes in comes back, bit for bit, with its dtype and shape; errors name
 // the store and the fix. On CUDA (skipped without a GPU): HostStore's copies are ordered by their
-// events against a busy compute stream, and its pinned buffers are reused step after step.
+// events against a stalled compute stream, the same copies without the events are shown to read
+// the data before it is there (so the first test fails without them), and its pinned buffers are
+// reused step after step.
 #include "stagewise/runtime/file_store.hpp"
 #include "stagewise/runtime/host_store.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/runtime/stream.hpp"
 
+#if defined(STAGEWISE_WITH_CUDA)
+#include <ATen/cuda/Sleep.h>
+#endif
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -24,6 +29,11 @@ using sw::testing::error_of;
 
 namespace {
 const bool no_cuda = !torch::cuda::is_available();
+#if defined(STAGEWISE_WITH_CUDA)
+constexpr bool kCanStall = true;
+#else
+constexpr bool kCanStall = false;  // no at::cuda::sleep: only busy work, which may be too short
+#endif
 
 std::string fresh_dir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
@@ -57,10 +67,17 @@ void round_trip(sw::runtime::AnyStore store) {
                  "reloads micro-batch 0, which it never offloaded"));
 }
 
-// A few milliseconds of products on the current stream of `device`.
-void keep_busy(const torch::Device& device) {
+// Holds the current stream of `device` for tens of milliseconds: what is queued on it next runs
+// that much later, while other streams go on. (at::cuda::sleep spins a kernel for a number of
+// cycles: 2^27 is about 70 ms at 2 GHz. Without it, a few milliseconds of products.)
+void stall(const torch::Device& device) {
+#if defined(STAGEWISE_WITH_CUDA)
+  (void)device;
+  at::cuda::sleep(int64_t{1} << 27);
+#else
   auto a = torch::randn({2048, 2048}, torch::TensorOptions().device(device));
   for (int i = 0; i < 20; ++i) a = torch::mm(a, a).div_(2048.0);
+#endif
 }
 }  // namespace
 
@@ -99,18 +116,59 @@ TEST_SUITE("offload stores") {
     c10::StreamGuard on_compute(compute);
     for (int round = 0; round < 10; ++round) {
       store.begin_step({0});
-      // Written late on the compute stream; the offload's copy must wait for it.
-      keep_busy(gpu);
+      // Written late on the compute stream; the offload's copy must wait for it (its event), and
+      // the reload's copy for the offload's (its event), and the read below for the reload (its
+      // event): with any one of them missing the check fails, as the next test shows.
+      stall(gpu);
       auto x =
           torch::full({1 << 24}, static_cast<float>(round), torch::TensorOptions().device(gpu));
       store.put({0, round}, {x});
       x = torch::Tensor();  // its block may be handed out again; only after the copy read it
       auto junk = torch::full({1 << 24}, -1.0f, torch::TensorOptions().device(gpu));
       // The reload's copy runs on another stream; the compute stream reads it at once.
-      keep_busy(gpu);
       auto back = store.take({0, round}, gpu);
       CHECK(back[0].eq(static_cast<float>(round)).all().item<bool>());
     }
+  }
+
+  TEST_CASE(
+      "offload_cuda: the same copies without the events read the data before it is there, so "
+      "the test above fails without them" *
+      doctest::skip(no_cuda || !kCanStall)) {
+    const torch::Device gpu(torch::kCUDA, 0);
+    const auto compute = sw::runtime::new_stream(gpu);
+    const auto side = sw::runtime::new_stream(gpu);
+    c10::StreamGuard on_compute(compute);
+    const auto pinned = torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true);
+    int stale_offloads = 0;
+    int stale_reloads = 0;
+    for (int round = 0; round < 4; ++round) {
+      const float value = static_cast<float>(round + 1);
+      // Offload without waiting for the compute stream: the copy reads x before its fill ran.
+      stall(gpu);
+      auto x = torch::full({1 << 24}, value, torch::TensorOptions().device(gpu));
+      auto host = torch::empty({1 << 24}, pinned);
+      {
+        c10::StreamGuard guard(side);
+        host.copy_(x, /*non_blocking=*/true);
+      }
+      side.synchronize();
+      stale_offloads += !host.eq(value).all().item<bool>();
+      torch::cuda::synchronize();
+      // Reload without the compute stream waiting for it: the read runs before the copy lands.
+      host.fill_(value);
+      auto back = torch::zeros({1 << 24}, torch::TensorOptions().device(gpu));
+      torch::cuda::synchronize();
+      {
+        c10::StreamGuard guard(side);
+        stall(gpu);  // on the copy's stream
+        back.copy_(host, /*non_blocking=*/true);
+      }
+      stale_reloads += !back.eq(value).all().item<bool>();  // on the compute stream, no wait
+      torch::cuda::synchronize();
+    }
+    CHECK(stale_offloads == 4);
+    CHECK(stale_reloads == 4);
   }
 
   TEST_CASE("offload_cuda: pinned buffers are reused step after step" * doctest::skip(no_cuda)) {
