@@ -228,15 +228,16 @@ inline std::pair<PointToPoint, Collectives> make_group(const c10::intrusive_ptr<
   } else {
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
   try {
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
-    return {PointToPoint(group), Collectives(group)};
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stagewise: rank ", rank, " of ", size,
                 " could not connect to the other ranks over Gloo (rendezvous at ", where,
                 "); every rank must start within ", options.timeout.count(),
                 " ms of the others: ", what_of(e));
   }
+  return {PointToPoint(group), Collectives(group)};
 }
 
 }  // namespace detail
