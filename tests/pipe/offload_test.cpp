@@ -187,21 +187,59 @@ TEST_SUITE("offload") {
       for (int j = 1; j < 4; ++j) {
         CHECK(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
       }
-      // A second store over the same directory (another rank on this machine, another pipe)
+      // A second store over the same directory (another pipe, or another job on this machine)
       // would write the same files: refused before its step runs.
       auto other = sw::Pipe(
           model(), sw::balance{2, 2, 2, 2},
           sw::PipeOptions(options).offload(sw::runtime::FileStore(dir), {.costs = {.offload = 0.0}}));
       CHECK(contains(error_of([&] { other->train_step(x, t, mse, sched::gpipe{}); }),
                      "stagewise::FileStore('" + dir + "'): '" + dir +
-                         "/stage1.offload' exists: another FileStore (another process of the "
-                         "job, or another pipe) offloads stage 1 to this directory, or a run that "
-                         "crashed left it; give each process's store a directory of its own (e.g. "
-                         "one per rank), or remove the file"));
+                         "/stage1.offload' exists: another FileStore (another pipe, or another "
+                         "job on this machine) offloads stage 1 to this directory, or a run that "
+                         "crashed left it; give each pipe's store a directory of its own, or "
+                         "remove the file"));
     }
     for (int j = 0; j < 4; ++j) {
       CHECK_FALSE(std::filesystem::exists(dir + "/stage" + std::to_string(j) + ".offload"));
     }
+  }
+
+  TEST_CASE(
+      "file stores named for two owners (ranks) share a directory; a renamed store is refused") {
+    const std::string dir = temp_dir("owners");
+    const sw::runtime::StoreKey key{1, 0};
+    const auto t = torch::randn({3, 2});
+    sw::runtime::FileStore a(dir), b(dir);
+    a.set_owner("rank0");
+    b.set_owner("rank2");  // another replica's rank running the same stage
+    CHECK(a.path_of(1) == dir + "/rank0.stage1.offload");
+    a.begin_step({1});
+    b.begin_step({1});
+    a.put(key, {t});
+    b.put(key, {t * 2});
+    CHECK(std::filesystem::exists(dir + "/rank2.stage1.offload"));
+    CHECK(a.take(key, torch::kCPU)[0].equal(t));
+    CHECK(b.take(key, torch::kCPU)[0].equal(t * 2));
+    a.set_owner("rank0");  // the same name again: nothing changes
+    CHECK(contains(error_of([&] { a.set_owner("rank1"); }),
+                   "stagewise::FileStore('" + dir +
+                       "'): the store's files are named for 'rank0' and now a pipe names them "
+                       "for 'rank1': one FileStore given to two pipes would mix their bytes; give "
+                       "each pipe a FileStore of its own"));
+    sw::runtime::FileStore c(dir);
+    c.begin_step({2});
+    CHECK(contains(error_of([&] { c.set_owner("rank0"); }),
+                   "the store's files are open (a pipe used it)"));
+    CHECK(contains(error_of([&] { sw::runtime::FileStore(dir).set_owner("a/b"); }),
+                   "the owner 'a/b' cannot name a file"));
+    // Through AnyStore (what PipeOptions holds and distributed::Pipe names); a store without
+    // set_owner ignores it.
+    sw::runtime::AnyStore any{sw::runtime::FileStore(dir)};
+    any.set_owner("rank3");
+    any.begin_step({1});
+    CHECK(std::filesystem::exists(dir + "/rank3.stage1.offload"));
+    sw::runtime::AnyStore host{sw::runtime::HostStore()};
+    host.set_owner("rank3");
   }
 
   TEST_CASE(

@@ -24,11 +24,14 @@ namespace stagewise::runtime {
 /// user names (a local NVMe disk, say). Offloading writes a cell's kept tensors to its stage's file
 /// and drops them from memory; reloading reads them back onto the stage's device. A stage's file
 /// is reused from its start whenever every tensor in it has been reloaded (each step, at the
-/// latest), so it never holds more than one step's offloads; it is removed with the store. A
-/// missing or unwritable directory, or a stage file already there (another store's: give each
-/// process of a job a directory of its own), fails the step before anything runs; a failed write
-/// (disk full) fails it at the offload; each error names the store and the fix. The directory is
-/// not created: name one that exists.
+/// latest), so it never holds more than one step's offloads; it is removed with the store. In a
+/// `distributed::Pipe` the files are named after the rank, `<dir>/rank<r>.stage<j>.offload`
+/// (`set_owner`), so all the ranks of a job on one machine (data-parallel replicas run the same
+/// stage in several processes) may share one directory. A missing or unwritable directory, or a
+/// stage file already there (another store's: another pipe or job over the same directory, or a
+/// crashed run's), fails the step before anything runs; a failed write (disk full) fails it at the
+/// offload; each error names the store and the fix. The directory is not created: name one that
+/// exists.
 ///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::FileStore("/nvme/offload"));
 class FileStore {
  public:
@@ -53,10 +56,11 @@ class FileStore {
       // machine, two pipes) would read each other's bytes.
       f->fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       TORCH_CHECK(f->fd >= 0 || errno != EEXIST, "stagewise::", describe(), ": '", path,
-                  "' exists: another FileStore (another process of the job, or another pipe) "
-                  "offloads stage ", j,
-                  " to this directory, or a run that crashed left it; give each process's store "
-                  "a directory of its own (e.g. one per rank), or remove the file");
+                  "' exists: another FileStore (another pipe, or another job on this machine) "
+                  "offloads stage ",
+                  j,
+                  " to this directory, or a run that crashed left it; give each pipe's store a "
+                  "directory of its own, or remove the file");
       TORCH_CHECK(f->fd >= 0, "stagewise::", describe(), ": cannot open '", path, "' for stage ", j,
                   "'s offloaded activations (", std::strerror(errno), "); create the directory '",
                   dir_,
@@ -110,9 +114,32 @@ class FileStore {
     return out;
   }
 
+  /// Names the files after `owner`, the process of a job that uses the store:
+  /// `<dir>/<owner>.stage<j>.offload`. `distributed::Pipe` sets "rank<r>" (the job's rank), so
+  /// that the processes of a job that run the same stage (data-parallel replicas) never write one
+  /// file. Once; setting another owner later (one store given to pipes of two ranks) is refused.
+  void set_owner(const std::string& owner) {
+    TORCH_CHECK(!owner.empty() && owner.find('/') == std::string::npos, "stagewise::", describe(),
+                ": the owner '", owner,
+                "' cannot name a file; give a non-empty name without '/' (e.g. \"rank0\")");
+    if (owner == owner_) return;
+    bool open = false;
+    for (const auto& f : files_) open = open || (f && f->fd >= 0);
+    TORCH_CHECK(
+        owner_.empty() && !open, "stagewise::", describe(), ": the store's files are ",
+        owner_.empty() ? std::string("open (a pipe used it)") : "named for '" + owner_ + "'",
+        " and now a pipe names them for '", owner,
+        "': one FileStore given to two pipes would mix their bytes; give each pipe a "
+        "FileStore of its own");
+    owner_ = owner;
+  }
+
   std::string describe() const { return "FileStore('" + dir_ + "')"; }
   /// The file of stage `j`.
-  std::string path_of(int j) const { return dir_ + "/stage" + std::to_string(j) + ".offload"; }
+  std::string path_of(int j) const {
+    return dir_ + "/" + (owner_.empty() ? "" : owner_ + ".") + "stage" + std::to_string(j) +
+           ".offload";
+  }
 
  private:
   struct Record {
@@ -185,6 +212,7 @@ class FileStore {
   }
 
   std::string dir_;
+  std::string owner_;  // names the files (set_owner); empty: "stage<j>.offload"
   std::vector<std::unique_ptr<StageFile>> files_;  // per stage; resized only in begin_step
 };
 

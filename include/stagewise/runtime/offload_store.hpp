@@ -53,6 +53,10 @@ class AnyStore {
     return self_->take(key, device);
   }
   std::string describe() const { return self_->describe(); }
+  /// Tells the store which process of a job uses it ("rank2"), for a store that keeps something
+  /// per process where the job's processes meet (`FileStore::set_owner`: its files' names); a
+  /// store without a `set_owner(const std::string&)` ignores it. `distributed::Pipe` calls it.
+  void set_owner(const std::string& owner) { self_->set_owner(owner); }
 
  private:
   struct Concept {
@@ -61,6 +65,7 @@ class AnyStore {
     virtual void put(const StoreKey& key, std::vector<torch::Tensor> tensors) = 0;
     virtual std::vector<torch::Tensor> take(const StoreKey& key, const torch::Device& device) = 0;
     virtual std::string describe() = 0;
+    virtual void set_owner(const std::string& owner) = 0;
   };
   template <class S>
   struct Model final : Concept {
@@ -73,6 +78,9 @@ class AnyStore {
       return store.take(key, device);
     }
     std::string describe() override { return store.describe(); }
+    void set_owner(const std::string& owner) override {
+      if constexpr (requires { store.set_owner(owner); }) store.set_owner(owner);
+    }
     S store;
   };
   std::shared_ptr<Concept> self_;

@@ -8,6 +8,7 @@
 #include "stagewise/runtime/c10d/startup.hpp"
 #include "stagewise/runtime/c10d/subgroup.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
+#include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/stage/partition.hpp"
@@ -271,11 +272,13 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                 "one-process pipe from its profiles; on a distributed pipe set checkpoint(...) "
                 "and offload(...) yourself (the memory_plan() of a one-process Pipe over the same "
                 "model and budget says which)");
-    TORCH_CHECK(!options.offload_store() || dist.data_parallel() == 1,
-                "stagewise::distributed::Pipe: PipeOptions().offload(...) with "
-                "Options().data_parallel(", dist.data_parallel(),
-                ") is not supported yet (offload is tested with one replica); turn one of them "
-                "off");
+    if (options.offload_store()) {
+      // The store's per-process things are this rank's (a FileStore's files are named after it):
+      // the job's ranks on one machine, replicas running the same stage included, may share a
+      // directory. Copies of a store are one store, so the pipe's copy is named too.
+      runtime::AnyStore store = *options.offload_store();
+      store.set_owner("rank" + std::to_string(job.env.rank));
+    }
     Prepared p;
     p.specs = ::stagewise::detail::partition(
         ::stagewise::detail::with_deferred_batch_norm(seq, options), b);
