@@ -12,8 +12,10 @@
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/nn/deferred_batch_norm.hpp"
+#include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
+#include "stagewise/pipe/detail/clip_norms.hpp"
 #include "stagewise/pipe/detail/offload_step.hpp"
 #include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
@@ -134,6 +136,9 @@ class PipeOverImpl : public detail::PlacedStages {
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
+    if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
+      detail::refuse_local_clip(fused, transport_->processes(), where_);
+    }
     if (replicas_.many()) {
       if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
         return detail::with_reduced_fused_step(replicas_, fused, [&] {
@@ -157,6 +162,23 @@ class PipeOverImpl : public detail::PlacedStages {
                            runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
     return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched, timeline);
+  }
+
+  /// `optim::clip_grad_norm_step` (same arguments) by the whole model's gradient norm, wherever
+  /// its stages run: the fused step's norms of every process's stages (with data-parallel
+  /// replicas, of the averaged gradients, counted once) are totalled in stage order, so every
+  /// rank clips alike, by the one-process pipe's norm. Every rank calls it with the same max_norm.
+  ///   auto r = pipe->clip_grad_norm_step(fused, [&] { pipe->train_step(x, y, f, fused); }, 1.0);
+  template <optim::loss_closure F>
+  optim::ClipStepResult clip_grad_norm_step(optim::FusedStep& fused, F&& closure, double max_norm,
+                                            double norm_type = 2.0) {
+    auto gather = [this](const std::string& what, const std::string& mine) {
+      return transport_->gather(who_ + "::" + what, mine);
+    };
+    return optim::clip_grad_norm_step(
+        fused, std::forward<F>(closure), max_norm, norm_type,
+        detail::stage_norm_gather(transport_->processes(), stages_, fused.parameters(), gather,
+                                  max_norm, norm_type, who_ + "::clip_grad_norm_step"));
   }
 
   /// The options the pipe was built with.

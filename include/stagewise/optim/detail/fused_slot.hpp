@@ -55,7 +55,7 @@ auto optimizer_state_key(const torch::Tensor& param) {
 // One parameter's contribution to clip_grad_norm_'s total norm, computed as it does.
 inline torch::Tensor grad_norm_part(const torch::Tensor& grad, double norm_type) {
   if (norm_type == std::numeric_limits<double>::infinity()) return grad.abs().max();
-  if (norm_type == 0) return torch::Tensor();  // norm 0 counts parameters with a gradient
+  if (norm_type == 0) return torch::ones({}, grad.options());  // norm 0 counts them: any value
   return grad.norm(norm_type);
 }
 
@@ -67,6 +67,7 @@ struct FusedShared {
   bool strict = false;      // finish_step: also report parameters without every gradient
   double norm_type = 2.0;   // norm pass: the norm to take
   torch::Tensor clip_coef;  // update pass: defined while clipping, multiplies each gradient
+  bool norms_gathered = false;  // norm pass: every process's norms are totalled (a pipe's clip)
   std::atomic<std::int64_t> updated{0};  // parameters stepped since the last finish_step
 };
 

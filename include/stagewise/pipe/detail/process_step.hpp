@@ -6,6 +6,7 @@
 // gradients.
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/pipe/replicas.hpp"
 #include "stagewise/runtime/processes.hpp"
@@ -57,25 +58,30 @@ inline void check_placement(const runtime::Processes& here, const std::vector<in
 
 // A fused step on a data-parallel pipe: the fused step's hooks are off during the step (they
 // would step on this replica's gradients alone); the reductions step each parameter on its
-// average instead, and the hooks are back afterwards, with no gradient left pending.
+// average instead (or, in a clip's norm pass, measure it), and the hooks are back afterwards,
+// with no gradient left pending.
 template <pipe_replicas Replicas, class Run>
 torch::Tensor with_reduced_fused_step(Replicas& replicas, optim::FusedStep& fused, Run&& run) {
   const bool attached = fused.attached();
   if (attached) fused.detach();
-  auto restore = [&] {
+  auto restore = [&](bool done) {
     replicas.step_after_reduction(nullptr);
     if (attached) fused.attach();
-    fused.reset_step();
+    if (done) {
+      FusedStepAccess::reset_counts(fused);  // a clip's norm pass keeps the norms it measured
+    } else {
+      fused.reset_step();
+    }
   };
   torch::Tensor loss;
   try {
     replicas.step_after_reduction(&fused);
     loss = run();
   } catch (...) {
-    restore();
+    restore(false);
     throw;
   }
-  restore();
+  restore(true);
   return loss;
 }
 
