@@ -145,8 +145,11 @@ int main() {
   bool respected = smallest > 0;
   for (double scale : {1.0, 1.5, 3.0, 8.0}) {
     const auto budget = static_cast<long long>(static_cast<double>(smallest) * scale);
+    // A directory per budget: the pipes above still hold their store's files in `dir`.
+    const std::string budget_dir = dir + "/budget_" + std::to_string(budget);
+    std::filesystem::create_directories(budget_dir);
     Setup s = build(sw::PipeOptions().chunks(kChunks).memory_budget(
-        budget, sample, sw::runtime::FileStore(dir), gpipe));
+        budget, sample, sw::runtime::FileStore(budget_dir), gpipe));
     s.pipe->train_step(x, t, mse, sw::schedule::gpipe{});
     const auto before = memory.thread_current();
     memory.reset_peak();
