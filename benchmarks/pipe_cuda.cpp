@@ -262,6 +262,29 @@ const std::vector<std::pair<std::string, ScheduleStep>>& schedules() {
   return all;
 }
 
+// A section's model on the GPU, its parameters, data and target, the gradients' reset, and the
+// pipe's split into kStages stages, all on the GPU.
+struct SectionModel {
+  torch::nn::Sequential model;
+  std::vector<torch::Tensor> params;
+  torch::Tensor x, t;
+  std::function<void()> reset;
+  sw::balance balance;
+  std::vector<torch::Device> devices;
+};
+
+SectionModel section_model(const ModelSpec& spec, const Gpu& gpu) {
+  auto model = mlp(spec, gpu.device);
+  auto params = model->parameters();
+  return {model,
+          params,
+          torch::randn({spec.batch, spec.width}, gpu.device),
+          torch::randn({spec.batch, spec.width}, gpu.device),
+          [params] { reset_grads(params); },
+          sw::even_balance(2 * spec.layers, kStages),
+          std::vector<torch::Device>(kStages, gpu.device)};
+}
+
 struct ModelResult {
   bench::Summary overhead_vs_loop;
   double always_peak_ratio = std::nan("");
@@ -269,13 +292,7 @@ struct ModelResult {
 
 ModelResult model_section(const char* label, const ModelSpec& spec, const Gpu& gpu,
                           const Options& opt, bool cpu_stage) {
-  auto model = mlp(spec, gpu.device);
-  const auto params = model->parameters();
-  const auto x = torch::randn({spec.batch, spec.width}, gpu.device);
-  const auto t = torch::randn({spec.batch, spec.width}, gpu.device);
-  const auto reset = [params] { reset_grads(params); };
-  const sw::balance balance = sw::even_balance(2 * spec.layers, kStages);
-  const std::vector<torch::Device> devices(kStages, gpu.device);
+  auto [model, params, x, t, reset, balance, devices] = section_model(spec, gpu);
 
   std::vector<std::pair<std::string, std::function<void()>>> variants;
   variants.emplace_back(kWhole, [&, reset] {
@@ -649,13 +666,7 @@ double gpu_ms(const Gpu& gpu, const std::function<void()>& fn) {
 // torchgpipe's on an H200 within a few MiB; torchgpipe itself is not installable on the GPU
 // machine (no network), so this row stands for it.
 OffloadResult offload_section(const ModelSpec& spec, const Gpu& gpu, const Options& opt) {
-  auto model = mlp(spec, gpu.device);
-  const auto params = model->parameters();
-  const auto x = torch::randn({spec.batch, spec.width}, gpu.device);
-  const auto t = torch::randn({spec.batch, spec.width}, gpu.device);
-  const auto reset = [params] { reset_grads(params); };
-  const sw::balance balance = sw::even_balance(2 * spec.layers, kStages);
-  const std::vector<torch::Device> devices(kStages, gpu.device);
+  auto [model, params, x, t, reset, balance, devices] = section_model(spec, gpu);
 
   // The offload pass's costs, in units of one stage's forward on one micro-batch.
   const auto micro = x.chunk(spec.chunks)[0].contiguous();
