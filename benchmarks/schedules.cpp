@@ -13,6 +13,8 @@
 #include "benchmarks/common/timing.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <memory>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -21,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace sw = stagewise;
@@ -349,6 +352,57 @@ std::vector<double> memory_section(int k) {
 
 }  // namespace
 
+// What a step's planning costs at K = 64 workers and M = 512 micro-batches, every stage
+// checkpointed with offload costs: made from scratch (verify and lay out the schedule, run the
+// offload pass, verify its messages between ranks: every step before plans were kept), and
+// after the first step (the pipe's PlanCache answers, and a distributed transport compares the
+// plan with the one it verified). Returns {first, cached} in ms, the medians of `rounds`.
+std::pair<double, double> planning_section(int rounds) {
+  constexpr int k = 64, m = 512;
+  const std::vector<int> all(k, m);
+  const sched::OffloadCosts costs{};
+  std::printf("planning a step at K = %d, M = %d (1F1B, every cell checkpointed, offload pass), "
+              "%d rounds, ms (median [min, max]):\n", k, m, rounds);
+  sched::PlanCache plans;
+  std::shared_ptr<const sched::Plan> kept;
+  std::vector<double> first, cached, parts[3];
+  for (int r = 0; r < rounds; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto p = sched::plan(sched::one_f_one_b{}, k, m, all);
+    const auto t1 = std::chrono::steady_clock::now();
+    const auto q = sched::offload(p, costs);
+    const auto t2 = std::chrono::steady_clock::now();
+    sched::verify_comms(q, {});
+    const auto t3 = std::chrono::steady_clock::now();
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    first.push_back(ms(t0, t3));
+    parts[0].push_back(ms(t0, t1));
+    parts[1].push_back(ms(t1, t2));
+    parts[2].push_back(ms(t2, t3));
+    if (!kept) kept = plans.get(sched::one_f_one_b{}, k, m, all, &costs);
+    const auto c0 = std::chrono::steady_clock::now();
+    const auto hit = plans.get(sched::one_f_one_b{}, k, m, all, &costs);
+    const bool same = *hit == *kept;  // the transport's comparison with the plan it verified
+    const auto c1 = std::chrono::steady_clock::now();
+    if (!same) std::printf("  the cached plan differs!\n");
+    cached.push_back(ms(c0, c1));
+  }
+  auto stat = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.3f [%.3f, %.3f]", v[v.size() / 2], v.front(), v.back());
+    return std::string(buf);
+  };
+  std::printf("  every step planned (before): %s = plan %s + offload pass %s + verify_comms %s; "
+              "%zu actions\n",
+              stat(first).c_str(), stat(parts[0]).c_str(), stat(parts[1]).c_str(),
+              stat(parts[2]).c_str(), kept->size());
+  std::printf("  after the first step (PlanCache, plan compared): %s\n", stat(cached).c_str());
+  std::sort(first.begin(), first.end());
+  std::sort(cached.begin(), cached.end());
+  return {first[first.size() / 2], cached[cached.size() / 2]};
+}
+
 int main() {
   auto& memory = sw::bench::counting_allocator();  // before any tensor exists
   (void)memory;
@@ -462,6 +516,7 @@ int main() {
   memory_section(4);
   memory_section(8);
   const auto v20 = memory_section(20);
+  const auto planning = planning_section(7);
   std::printf("load average at end: %s\n", load().c_str());
   const auto& r2 = results[2];
   std::ostringstream last;
@@ -475,6 +530,7 @@ int main() {
   // baseline and the step time, over 1F1B's.
   last << " vhalf_peak_ratio=" << v20[0] << " vmin_peak_ratio=" << v20[1]
        << " vhalf_time_ratio=" << v20[2] << " vmin_time_ratio=" << v20[3];
+  last << " plan_first_ms=" << planning.first << " plan_cached_ms=" << planning.second;
   std::cout << last.str() << std::endl;
   return 0;
 }

@@ -2,7 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/detail/stage_spec.hpp"
-#include "stagewise/pipe/detail/memory_budget.hpp"
+#include "stagewise/pipe/detail/resolve.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
@@ -43,13 +43,21 @@ namespace stagewise {
 ///   parameters' gradients accumulate exactly as unpipelined training on the micro-batches would.
 class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
  public:
+  /// The pipe over typed stages (`specs`, whose modules are `layers`).
   PipeImpl(std::vector<detail::StageSpec> specs, PipeOptions options,
            std::vector<std::shared_ptr<torch::nn::Module>> layers)
       : PipeOverImpl("stagewise::Pipe", std::move(options),
                      std::make_unique<runtime::MailboxTransport>()),
         layers_(std::move(layers)) {
-    verify_ownership(specs);
-    build_stages(std::move(specs));
+    build_checked(detail::resolve_pipe(options_, {.who = who_}, std::move(specs)));
+  }
+  /// The pipe over `seq` split by `b`.
+  PipeImpl(const torch::nn::Sequential& seq, const balance& b, PipeOptions options)
+      : PipeOverImpl("stagewise::Pipe", std::move(options),
+                     std::make_unique<runtime::MailboxTransport>()) {
+    auto resolved = detail::resolve_pipe(options_, {.who = who_}, seq, b);
+    layers_ = resolved.layers;
+    build_checked(std::move(resolved));
   }
 
   /// Runs the pipeline on one tensor; see the class comment. `x` may be on any device (each
@@ -65,9 +73,8 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
   /// Runs the pipeline on a batch of one tensor or a tuple of tensors.
   Batch forward_batch(const Batch& input) {
     if (stages_.empty()) return input;
-    if (has_deferred_batch_norms()) begin_mini_batch(scatter(input, options_.chunks()).size());
-    return runtime::run_clock_cycles(stages_, input, options_.chunks(),
-                                     options_.checkpoints(stages_.size()),
+    if (has_deferred_batch_norms()) begin_mini_batch(scatter(input, resolved_.chunks).size());
+    return runtime::run_clock_cycles(stages_, input, resolved_.chunks, resolved_.checkpoints,
                                      is_training(), skips_->empty() ? nullptr : skips_);
   }
 
@@ -80,11 +87,11 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
   /// stage's predicted peak (print it with `to_string()`).
   ///   std::cout << pipe->memory_plan().to_string();
   const schedule::MemoryPlan& memory_plan() const {
-    TORCH_CHECK(options().memory_plan(),
+    TORCH_CHECK(resolved_.memory_plan,
                 "stagewise::Pipe::memory_plan: the pipe has no memory "
                 "budget; build it from a Sequential with PipeOptions().memory_budget(bytes, "
                 "sample)");
-    return *options().memory_plan();
+    return *resolved_.memory_plan;
   }
   /// The device of stage `k`.
   torch::Device device(std::size_t k) const { return stage_at(k).device; }
@@ -106,6 +113,11 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
     TORCH_CHECK_INDEX(k < stages_.size(), "stagewise::Pipe: stage index ", k,
                       " is out of range for a pipe of ", stages_.size(), " stages");
     return *stages_[k];
+  }
+
+  void build_checked(detail::ResolvedPipe resolved) {
+    verify_ownership(resolved.specs);
+    build(std::move(resolved));
   }
 
   static void verify_ownership(const std::vector<detail::StageSpec>& specs) {
@@ -152,37 +164,23 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
 
   /// A pipeline over typed stages.
   explicit Pipe(stage_list<S...> list, PipeOptions options = {})
-      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
-            list.specs(), without_budget(std::move(options)), modules_of(list))) {}
+      : torch::nn::ModuleHolder<PipeImpl>(
+            std::make_shared<PipeImpl>(list.specs(), std::move(options), modules_of(list))) {}
 
   /// A pipeline over `seq`, split into stages of `b[k]` consecutive layers.
   template <class... T>
   requires(sizeof...(S) == 0 && sizeof...(T) == 0)
       Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options = {}, T...)
-      : Pipe(detail::with_deferred_batch_norm(seq, options), b,
-             detail::with_memory_plan(seq, b, options), 0) {}
+      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(seq, b, std::move(options))) {
+  }
 
  private:
-  static PipeOptions without_budget(PipeOptions options) {
-    TORCH_CHECK(!options.memory_budget(),
-                "stagewise::Pipe: memory_budget plans from the layers of a Sequential; build the "
-                "pipe from a torch::nn::Sequential and a balance, or set checkpoint(...) and "
-                "offload(...) yourself");
-    return options;
-  }
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
     for (auto& spec : list.specs()) {
       if (spec.module) out.push_back(spec.module);
     }
     return out;
-  }
-  Pipe(const torch::nn::Sequential& seq, const balance& b, PipeOptions options, int)
-      : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
-            detail::partition(seq, b), std::move(options), layers_of(seq))) {}
-  static std::vector<std::shared_ptr<torch::nn::Module>> layers_of(
-      const torch::nn::Sequential& seq) {
-    return seq->children();
   }
 };
 

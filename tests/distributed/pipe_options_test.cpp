@@ -1,6 +1,7 @@
-// PipeOptions in the distributed pipe: deferred batch norm works as in the one-process pipe (each
-// rank's batch norms commit their running statistics once per mini-batch), and is refused with
-// data parallelism, where replicas would keep statistics of their own rows only.
+// PipeOptions in the distributed pipe: deferred batch norm equals the one-process pipe bit for bit
+// (each rank's batch norms commit their running statistics once per mini-batch), and a wrong
+// device count is refused with the one-process pipe's text. Every option in every kind of pipe,
+// refusals included: option_matrix_test.cpp.
 #include "stagewise/distributed.hpp"
 #include "stagewise/stagewise.hpp"
 
@@ -100,54 +101,6 @@ TEST_SUITE("distributed pipe options") {
           }
         },
         120s);
-    for (int k = 0; k < 2; ++k) {
-      CAPTURE(k);
-      CHECK(r[static_cast<std::size_t>(k)].text == "");
-      CHECK(r[static_cast<std::size_t>(k)].status == 0);
-    }
-  }
-
-  TEST_CASE("deferred batch norm with data parallelism is refused at construction, naming both") {
-    auto r = run_ranks(
-        2,
-        [](int) {
-          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
-          const auto e = error_of([&] {
-            sw::distributed::Pipe pipe(c, batch_norm_model(), sw::balance{6},
-                                       sw::PipeOptions().chunks(2).deferred_batch_norm(true),
-                                       sw::distributed::Options().data_parallel(2));
-          });
-          expect(contains(e, "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) "
-                             "with Options().data_parallel(2): each replica would keep running "
-                             "statistics of its own rows only"),
-                 e);
-        },
-        60s);
-    for (int k = 0; k < 2; ++k) {
-      CAPTURE(k);
-      CHECK(r[static_cast<std::size_t>(k)].text == "");
-      CHECK(r[static_cast<std::size_t>(k)].status == 0);
-    }
-  }
-
-  TEST_CASE("a memory budget is refused at construction") {
-    auto r = run_ranks(
-        2,
-        [](int) {
-          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
-          const auto budget = error_of([&] {
-            sw::distributed::Pipe pipe(
-                c, batch_norm_model(), sw::balance{3, 3},
-                sw::PipeOptions().chunks(2).memory_budget(1 << 20, torch::randn({2, 6})));
-          });
-          expect(budget ==
-                     "stagewise::distributed::Pipe: PipeOptions().memory_budget(...) plans a "
-                     "one-process pipe from its profiles; on a distributed pipe set "
-                     "checkpoint(...) and offload(...) yourself (the memory_plan() of a "
-                     "one-process Pipe over the same model and budget says which)",
-                 budget);
-        },
-        60s);
     for (int k = 0; k < 2; ++k) {
       CAPTURE(k);
       CHECK(r[static_cast<std::size_t>(k)].text == "");

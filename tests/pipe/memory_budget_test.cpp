@@ -58,9 +58,11 @@ TEST_SUITE("memory budget") {
     const auto& plan = planned->memory_plan();
     CHECK(plan.offload);
     for (std::size_t j = 0; j < 4; ++j) {
-      CHECK(planned->options().checkpoint_of(j) == plan.checkpoints[j]);
+      CHECK(planned->resolved_options().checkpoints[j] == plan.checkpoints[j]);
     }
-    CHECK(planned->options().offload_store().has_value());
+    CHECK(planned->resolved_options().offload_store.has_value());
+    CHECK(planned->resolved_options().offload_costs.stages == plan.offload_stages);
+    CHECK_FALSE(planned->options().offload_store().has_value());  // the user's, as given
     CHECK(contains(plan.to_string(), "memory plan for gpipe, 8 micro-batches, budget " +
                                          std::to_string(smallest) + " bytes per stage"));
     // The same pipe by hand.

@@ -101,6 +101,34 @@ TEST_SUITE("train_step") {
     for (std::size_t k = 0; k < got.size(); ++k) CHECK(got[k].equal(expected[k]));
   }
 
+  TEST_CASE("a step's plan is kept, and made again when the batch splits otherwise") {
+    // Batches of 8, 3 (3 micro-batches of 4 chunks), 8 again and 3 again, under 1F1B with every
+    // cell checkpointed: the kept plans (4 and 3 micro-batches) run each step as a fresh pipe
+    // would, so the gradients equal the unpipelined steps'.
+    torch::manual_seed(8);
+    auto seq = mlp();
+    std::vector<torch::Tensor> xs, ts;
+    for (int rows : {8, 3, 8, 3}) {
+      xs.push_back(torch::randn({rows, 6}));
+      ts.push_back(torch::randn({rows, 3}));
+    }
+    for (std::size_t k = 0; k < xs.size(); ++k) {
+      sw::testing::reference_step(*seq, xs[k], ts[k], 4, /*ascending=*/true);  // as 1F1B
+    }
+    auto expected = grads_of(*seq);
+    seq->zero_grad();
+    auto pipe = sw::Pipe(seq, sw::balance{3, 4}, sw::PipeOptions().chunks(4).checkpoint("always"));
+    for (std::size_t k = 0; k < xs.size(); ++k) {
+      sw::schedule::Timeline timeline;
+      pipe->train_step(xs[k], ts[k], mse, sw::schedule::one_f_one_b{}, &timeline);
+      int forwards = 0;
+      for (const auto& e : timeline.actions) forwards += e.action.kind == sw::schedule::ActionKind::forward;
+      CHECK(forwards == 2 * static_cast<int>(std::min<std::int64_t>(4, xs[k].size(0))));
+    }
+    auto got = grads_of(*seq);
+    for (std::size_t k = 0; k < got.size(); ++k) CHECK(got[k].equal(expected[k]));
+  }
+
   TEST_CASE("dropout is replayed exactly by the recompute") {
     for (auto mode : {sw::Checkpoint::always, sw::Checkpoint::except_last}) {
       auto seq = torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Dropout(0.5),

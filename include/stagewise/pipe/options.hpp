@@ -4,7 +4,6 @@
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
-#include "stagewise/schedule/memory_plan.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 
@@ -22,16 +21,21 @@ namespace stagewise {
 
 /// What `PipeOptions().memory_budget(...)` was given: the budget in bytes of activations per
 /// stage, one micro-batch like those the pipe will run (to profile), the store offloads may use
-/// (none: no offload) and the schedule the plan is for.
+/// (none: the one `offload(...)` gave, if any) and the schedule the plan is for. The offload
+/// costs are `PipeOptions().offload(store, costs)`'s, read when the pipe is built, whatever the
+/// order of the setters.
 struct MemoryBudget {
   std::int64_t bytes = 0;
   Batch sample{torch::Tensor()};
   std::optional<runtime::AnyStore> store;
   schedule::any_schedule schedule{"one_f_one_b", schedule::one_f_one_b{}};
-  schedule::OffloadCosts costs{};
 };
 
-/// Options of a Pipe, as chained setters in LibTorch's style.
+/// Options of a Pipe, as chained setters in LibTorch's style. They hold what was set, nothing
+/// more: every pipe turns them into the values its stages run with in one place
+/// (`ResolvedPipeOptions`, `pipe->resolved_options()`), where defaults are decided and options
+/// that cannot work together, or not in that kind of pipe, are refused at construction. No
+/// setter's effect depends on the order of the calls, and a pipe never writes into them.
 ///   stagewise::PipeOptions().chunks(8).checkpoint(stagewise::Checkpoint::except_last)
 class PipeOptions {
  public:
@@ -60,6 +64,7 @@ class PipeOptions {
                 "per stage, or one mode for all (checkpoint(Checkpoint::except_last))");
     for (auto mode : per_stage) (void)to_string(mode);
     stage_checkpoints_ = std::move(per_stage);
+    checkpoint_.reset();
     return *this;
   }
   /// Checkpointing mode by name: "always", "except_last" or "never".
@@ -100,12 +105,15 @@ class PipeOptions {
 
   /// A memory budget (default none): a pipe built from a Sequential profiles each stage on
   /// `sample` (one micro-batch) and picks, with `schedule::plan_memory`, each stage's checkpoint
-  /// mode and offload choice (to `store`, if given), the fastest plan whose predicted activation
-  /// peak is at most `bytes` on every stage for `sched`; it sets `checkpoint({...})` and
-  /// `offload(...)` accordingly,
-  /// and `pipe->memory_plan()` prints what it chose. When nothing fits, construction fails naming
-  /// the smallest budget that would. The budget counts activations, not parameters, gradients or
-  /// optimizer state.
+  /// mode and offload choice (to `store`, or to the store `offload(...)` gave, with its costs),
+  /// the fastest plan whose predicted activation peak is at most `bytes` on every stage for
+  /// `sched`; the pipe runs those modes and offloads (`pipe->resolved_options()`), and
+  /// `pipe->memory_plan()` prints what it chose. When nothing fits, construction fails naming
+  /// the smallest budget that would. The budget chooses the checkpoint modes, so it is refused
+  /// with `checkpoint(...)`; a store given both here and to `offload(...)` is refused too. Every
+  /// kind of pipe built from a Sequential plans it (a distributed pipe's ranks each make the
+  /// same plan); a pipe of typed stages refuses it. The budget counts activations, not
+  /// parameters, gradients or optimizer state.
   ///   sw::PipeOptions().chunks(8).memory_budget(64 << 20, torch::randn({64, 1024}),
   ///                                            sw::runtime::FileStore("/nvme/offload"))
   PipeOptions& memory_budget(std::int64_t bytes, Batch sample,
@@ -114,19 +122,12 @@ class PipeOptions {
                                                              schedule::one_f_one_b{}}) {
     TORCH_CHECK(bytes > 0, "stagewise::PipeOptions: memory_budget is ", bytes,
                 " bytes; give a positive number of bytes of activations per stage");
-    memory_budget_ =
-        MemoryBudget{bytes, std::move(sample), std::move(store), std::move(sched), offload_costs_};
-    return *this;
-  }
-  /// The plan a pipe made for its memory budget (set by the pipe; see `memory_budget`).
-  PipeOptions& memory_plan(schedule::MemoryPlan plan) {
-    memory_plan_ = std::move(plan);
+    memory_budget_ = MemoryBudget{bytes, std::move(sample), std::move(store), std::move(sched)};
     return *this;
   }
 
   int64_t chunks() const { return chunks_; }
   const std::optional<MemoryBudget>& memory_budget() const { return memory_budget_; }
-  const std::optional<schedule::MemoryPlan>& memory_plan() const { return memory_plan_; }
   const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
   const schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
   /// The mode of every stage; an error when the modes differ per stage (read checkpoint_of).
@@ -136,11 +137,15 @@ class PipeOptions {
                   "stagewise::PipeOptions::checkpoint(): the stages have different modes; read "
                   "each with checkpoint_of(stage)");
     }
-    return stage_checkpoints_.empty() ? checkpoint_ : stage_checkpoints_.front();
+    return stage_checkpoints_.empty() ? checkpoint_.value_or(Checkpoint::except_last)
+                                      : stage_checkpoints_.front();
   }
+  /// Whether `checkpoint(...)` was called (otherwise every stage runs except_last, or what a
+  /// memory budget chooses).
+  bool checkpoint_given() const { return checkpoint_.has_value() || !stage_checkpoints_.empty(); }
   /// The mode of stage `stage`.
   Checkpoint checkpoint_of(std::size_t stage) const {
-    if (stage_checkpoints_.empty()) return checkpoint_;
+    if (stage_checkpoints_.empty()) return checkpoint_.value_or(Checkpoint::except_last);
     TORCH_CHECK_INDEX(stage < stage_checkpoints_.size(), "stagewise::PipeOptions: checkpoint ",
                       "gives modes for ", stage_checkpoints_.size(), " stages, not stage ", stage);
     return stage_checkpoints_[stage];
@@ -151,22 +156,22 @@ class PipeOptions {
                 "stagewise::PipeOptions: checkpoint gives ", stage_checkpoints_.size(),
                 " modes for a pipe of ", stages,
                 " stages; give one mode per stage, or one mode for all");
-    return stage_checkpoints_.empty() ? std::vector<Checkpoint>(stages, checkpoint_)
-                                      : stage_checkpoints_;
+    return stage_checkpoints_.empty()
+               ? std::vector<Checkpoint>(stages, checkpoint_.value_or(Checkpoint::except_last))
+               : stage_checkpoints_;
   }
   const std::vector<torch::Device>& devices() const { return devices_; }
   bool deferred_batch_norm() const { return deferred_batch_norm_; }
 
  private:
   int64_t chunks_ = 1;
-  Checkpoint checkpoint_ = Checkpoint::except_last;
+  std::optional<Checkpoint> checkpoint_;       // none: except_last (or the budget's choice)
   std::vector<Checkpoint> stage_checkpoints_;  // empty: checkpoint_ on every stage
   std::vector<torch::Device> devices_;
   bool deferred_batch_norm_ = false;
   std::optional<runtime::AnyStore> offload_store_;
   schedule::OffloadCosts offload_costs_;
   std::optional<MemoryBudget> memory_budget_;
-  std::optional<schedule::MemoryPlan> memory_plan_;
 };
 
 }  // namespace stagewise

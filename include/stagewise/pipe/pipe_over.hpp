@@ -20,12 +20,14 @@
 #include "stagewise/pipe/detail/pipe_saves.hpp"
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/process_step.hpp"
+#include "stagewise/pipe/detail/resolve.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/replicas.hpp"
+#include "stagewise/pipe/resolved_options.hpp"
 #include "stagewise/runtime/detail/train_skips.hpp"
 #include "stagewise/runtime/processes.hpp"
 #include "stagewise/runtime/program_executor.hpp"
@@ -35,6 +37,7 @@
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/plan.hpp"
+#include "stagewise/schedule/plan_cache.hpp"
 #include "stagewise/schedule/reductions.hpp"
 #include "stagewise/schedule/timeline.hpp"
 #include "stagewise/skip/detail/inspect.hpp"
@@ -61,17 +64,6 @@
 
 namespace stagewise {
 
-namespace detail {
-// With deferred_batch_norm(true), a copy of `seq` whose batch norms are DeferredBatchNorms
-// sharing their tensors (convert_deferred_batch_norm); otherwise `seq` itself. Every pipe builds
-// its stages from it.
-inline torch::nn::Sequential with_deferred_batch_norm(const torch::nn::Sequential& seq,
-                                                      const PipeOptions& options) {
-  if (!options.deferred_batch_norm()) return seq;
-  return convert_deferred_batch_norm(seq, options.chunks());
-}
-}  // namespace detail
-
 /// The pipe over any transport, behind the `PipeOver<Transport>` holder: the stages this process
 /// runs (as `transport->processes()` says), their skip layout, and the training step, saves and
 /// loads every pipe shares. `stagewise::Pipe` is it over `MailboxTransport`, `distributed::Pipe`
@@ -90,7 +82,9 @@ class PipeOverImpl : public detail::PlacedStages {
   PipeOverImpl(const torch::nn::Sequential& seq, const balance& b, PipeOptions options,
                std::unique_ptr<Transport> transport)
       : PipeOverImpl("stagewise::PipeOver", std::move(options), std::move(transport)) {
-    build_stages(detail::partition(detail::with_deferred_batch_norm(seq, options_), b));
+    const auto here = transport_->processes();
+    build(detail::resolve_pipe(
+        options_, {.who = who_, .processes = here.count, .rank = here.rank}, seq, b));
   }
 
   /// One training step driven by `sched` (GPipe's fill-drain by default; also
@@ -181,8 +175,11 @@ class PipeOverImpl : public detail::PlacedStages {
                                   max_norm, norm_type, who_ + "::clip_grad_norm_step"));
   }
 
-  /// The options the pipe was built with.
+  /// The options the pipe was built with, as given.
   const PipeOptions& options() const { return options_; }
+  /// What the pipe runs with: the options with every default and dependent choice decided (a
+  /// memory budget's checkpoint modes and offloads included), resolved once at construction.
+  const ResolvedPipeOptions& resolved_options() const { return resolved_; }
   /// Which stage stashes and which pops each skip connection (verified at construction).
   const detail::SkipLayout& skip_layout() const { return *skips_; }
   /// The messages and tensor bytes this process exchanged with other processes since the pipe
@@ -244,23 +241,25 @@ class PipeOverImpl : public detail::PlacedStages {
     TORCH_CHECK(transport_ != nullptr, who_, ": the transport is null; give the pipe one");
   }
 
-  /// Verifies the skips of `specs`' modules (every problem in one message), places the stages
-  /// this process runs (the transport's `processes()`) on their devices and keeps them
-  /// (registered as "stage<j>"); the others stay null: another process runs them.
-  void build_stages(std::vector<detail::StageSpec> specs) {
+  /// Takes the resolved options (`detail::resolve_pipe`), verifies the skips of the stages'
+  /// modules (every problem in one message), places the stages this process runs (the
+  /// transport's `processes()`) on their devices and keeps them (registered as "stage<j>"); the
+  /// others stay null: another process runs them.
+  void build(detail::ResolvedPipe resolved) {
+    resolved_ = std::move(resolved.options);
+    auto& specs = resolved.specs;
     const auto here = transport_->processes();
     TORCH_CHECK(here.stage.empty() || here.stage.size() == specs.size(), who_,
                 ": the transport places ", here.stage.size(), " stages but the balance makes ",
                 specs.size(), "; build the transport for the pipe's stages");
     auto local = [&](std::size_t j) { return here.runs(j); };
-    (void)options_.checkpoints(specs.size());  // one mode per stage, or one for all
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     for (const auto& spec : specs) {
       modules.push_back(spec.module);
       signatures_.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
     skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
-    const auto devices = detail::place_stage_modules(specs, options_.devices(), who_, local);
+    const auto devices = detail::place_stage_modules(specs, resolved_.devices, who_, local);
     for (std::size_t j = 0; j < specs.size(); ++j) {
       if (!local(j)) {
         stages_.push_back(nullptr);  // another process's: its parameters are dropped here
@@ -288,7 +287,8 @@ class PipeOverImpl : public detail::PlacedStages {
 
   std::string who_;
   std::string where_;  // "<who>::train_step", opening train_step's errors
-  PipeOptions options_;
+  PipeOptions options_;            // as the user gave them
+  ResolvedPipeOptions resolved_;   // what the pipe runs with (build)
   std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
   std::vector<std::string> signatures_;                         // of every stage, for saves
@@ -299,7 +299,7 @@ class PipeOverImpl : public detail::PlacedStages {
   // Finds the DeferredBatchNorm layers of stage `j`; with deferred_batch_norm(true), a plain batch
   // norm left in it (a typed stage, or one hidden in a custom module) is an error.
   void collect_deferred_batch_norms(const torch::nn::Module& module, std::size_t j) {
-    if (options_.deferred_batch_norm())
+    if (resolved_.deferred_batch_norm)
       detail::refuse_hidden_batch_norm(module, "stage" + std::to_string(j));
     for (const auto& m : module.modules()) {
       if (auto bn = std::dynamic_pointer_cast<DeferredBatchNormImpl>(m)) deferred_.push_back(bn);
@@ -308,6 +308,8 @@ class PipeOverImpl : public detail::PlacedStages {
 
   std::vector<std::shared_ptr<DeferredBatchNormImpl>> deferred_;
   std::string placement_fix_;
+  schedule::PlanCache plans_;  // each step's plan, made once per schedule and shape
+  std::shared_ptr<const schedule::Plan> reductions_checked_;  // the last plan check_reductions passed
 
   detail::SavedPlan plan_here() const {
     const auto here = transport_->processes();
@@ -350,8 +352,8 @@ class PipeOverImpl : public detail::PlacedStages {
     const bool first = stages_.front() != nullptr, last = stages_.back() != nullptr;
     detail::check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
     runtime::TrainStep step;
-    if (first) step.inputs = scatter(input, options_.chunks());
-    if (last) step.targets = scatter(target, options_.chunks());
+    if (first) step.inputs = scatter(input, resolved_.chunks);
+    if (last) step.targets = scatter(target, resolved_.chunks);
     // The first stage's process decides the number of micro-batches; the others learn it
     // through the transport.
     const torch::Tensor count = transport_->share(
@@ -374,15 +376,19 @@ class PipeOverImpl : public detail::PlacedStages {
     step.loss_fn = std::move(loss_fn);
     if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
     step.training = is_training();
-    step.stops = checkpoint_stops(options_.checkpoints(stages_.size()), m, step.training);
-    // With PipeOptions().offload(...): the plan's offloads and reloads, and the step's store.
-    const auto plan = detail::with_offloads(
-        schedule::plan(sched, n, m, std::vector<int>(step.stops.begin(), step.stops.end())),
-        options_, step, stages_);
+    step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);
+    // The step's plan, made once for these arguments and then reused (PlanCache); with
+    // PipeOptions().offload(...), its offloads and reloads, and the step's store opened.
+    const auto planned =
+        plans_.get(sched, n, m, std::vector<int>(step.stops.begin(), step.stops.end()),
+                   detail::offload_costs_of(resolved_, step.stops));
+    const schedule::Plan& plan = *planned;
+    detail::open_offload_store(plan, resolved_, step, stages_);
     // Replicas reduce each stage's gradients at its point in the plan (schedule/reductions.hpp);
     // the transport verifies the pipeline's messages.
-    if (replicas_.many()) {
+    if (replicas_.many() && planned != reductions_checked_) {
       if (auto problem = schedule::check_reductions(plan)) TORCH_CHECK(false, *problem);
+      reductions_checked_ = planned;
     }
     if (!skips_->empty()) {
       step.skips = std::make_shared<runtime::detail::TrainSkips>(skips_, stages_.size(),

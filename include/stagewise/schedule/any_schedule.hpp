@@ -32,6 +32,11 @@ class any_schedule {
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     return run(held_, stages, micro_batches);
   }
+  /// Copies of one any_schedule are equal (they hold the same schedule); two made apart are not,
+  /// whatever they hold.
+  friend bool operator==(const any_schedule& a, const any_schedule& b) {
+    return a.held_ == b.held_ && a.name_ == b.name_;
+  }
 
  private:
   struct Base {

@@ -22,6 +22,7 @@ struct OffloadCosts {
   Costs costs{.offload = 0.25};
   double round_trips = 3.0;
   std::vector<bool> stages = {};
+  friend bool operator==(const OffloadCosts&, const OffloadCosts&) = default;
 };
 
 namespace detail {

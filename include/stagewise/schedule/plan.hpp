@@ -43,6 +43,7 @@ struct Plan {
     }
     return out;
   }
+  friend bool operator==(const Plan&, const Plan&) = default;
   /// Number of actions, recomputes included.
   std::size_t size() const {
     std::size_t n = 0;

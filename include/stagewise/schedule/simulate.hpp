@@ -51,6 +51,7 @@ struct Costs {
     }
     return 0.0;
   }
+  friend bool operator==(const Costs&, const Costs&) = default;
 };
 
 /// A simulated training step: the timeline and what it implies.

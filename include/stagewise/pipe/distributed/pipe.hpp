@@ -230,7 +230,7 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   // this replica's ranks (which owns which rank runs which stage).
   struct Prepared {
     std::optional<runtime::Connection> job;
-    std::vector<::stagewise::detail::StageSpec> specs;
+    ::stagewise::detail::ResolvedPipe resolved;  // the options resolved, and the stages
     std::vector<int> placement;
     int workers = 1;
     std::optional<runtime::Connection> row;  // this replica's ranks (the job with one replica)
@@ -249,7 +249,7 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                       std::to_string(dist_.virtual_stages()) +
                       "), or pass a schedule that places stage j on rank j % " +
                       std::to_string(workers_));
-    build_stages(std::move(p.specs));
+    build(std::move(p.resolved));
     if (p.column) {
       replicas_ = detail::ReplicaGradients(std::move(*p.column), dist_.data_parallel(), stages_,
                                            transport_.get(), dist_.reducer(),
@@ -261,39 +261,21 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   // and models; then joins the replicas' groups and builds the transport.
   static Prepared prepare(runtime::Connection job, const torch::nn::Sequential& seq,
                           const balance& b, const PipeOptions& options, const Options& dist) {
-    TORCH_CHECK(!options.deferred_batch_norm() || dist.data_parallel() == 1,
-                "stagewise::distributed::Pipe: PipeOptions().deferred_batch_norm(true) with "
-                "Options().data_parallel(", dist.data_parallel(),
-                "): each replica would keep running statistics of its own rows only, and the "
-                "replicas' would drift apart; turn one of them off (plain batch norm, or one "
-                "replica)");
-    TORCH_CHECK(!options.memory_budget(),
-                "stagewise::distributed::Pipe: PipeOptions().memory_budget(...) plans a "
-                "one-process pipe from its profiles; on a distributed pipe set checkpoint(...) "
-                "and offload(...) yourself (the memory_plan() of a one-process Pipe over the same "
-                "model and budget says which)");
-    if (options.offload_store()) {
-      // The store's per-process things are this rank's (a FileStore's files are named after it):
-      // the job's ranks on one machine, replicas running the same stage included, may share a
-      // directory. Copies of a store are one store, so the pipe's copy is named too.
-      runtime::AnyStore store = *options.offload_store();
-      store.set_owner("rank" + std::to_string(job.env.rank));
-    }
-    Prepared p;
-    p.specs = ::stagewise::detail::partition(
-        ::stagewise::detail::with_deferred_batch_norm(seq, options), b);
-    const int n = static_cast<int>(p.specs.size());
-    if (dist.placement()) {
-      p.placement = dist.placement()(n);
-    } else {
-      const int v = dist.virtual_stages();
-      TORCH_CHECK(v >= 1 && n % v == 0, "stagewise::distributed::Pipe: ", n,
-                  " stages do not split into ", v, " virtual stages per rank; give a balance ",
-                  "with a multiple of ", v, " entries or change Options::virtual_stages");
-      for (int j = 0; j < n; ++j) p.placement.push_back(j % (n / v));
-    }
-    p.workers = *std::max_element(p.placement.begin(), p.placement.end()) + 1;
     const int d = dist.data_parallel();
+    Prepared p;
+    p.resolved = ::stagewise::detail::resolve_pipe(
+        options,
+        {.who = "stagewise::distributed::Pipe",
+         .processes = job.env.world_size,
+         .rank = job.env.rank,
+         .replicas = d,
+         .places_ranks = true,
+         .virtual_stages = dist.virtual_stages(),
+         .placement = dist.placement()},
+        seq, b);
+    p.placement = p.resolved.options.placement;
+    const int n = static_cast<int>(p.resolved.specs.size());
+    p.workers = *std::max_element(p.placement.begin(), p.placement.end()) + 1;
     if (d == 1) {
       runtime::check_world_size(job, n, p.workers);
     } else {
@@ -305,7 +287,7 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                   "), or change data_parallel, the balance or the virtual stages");
     }
     std::vector<std::string> signatures;
-    for (const auto& spec : p.specs) {
+    for (const auto& spec : p.resolved.specs) {
       signatures.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
     }
     // Every rank of every replica speaks the same wire format and built the same model.

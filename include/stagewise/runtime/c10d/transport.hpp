@@ -151,12 +151,19 @@ class C10dTransport {
 
   /// Starts a training step of `plan` (a `pipe_transport`'s begin_step): checks that the plan's
   /// messages between ranks cannot deadlock (`schedule::verify_comms`), takes the step's skip
-  /// routes, begins the step (below) and posts this rank's receives (`expect`).
+  /// routes, begins the step (below) and posts this rank's receives (`expect`). The check and
+  /// the receives are worked out once for a plan and its routes, and reused while later steps
+  /// run the same ones.
   void begin_step(const schedule::Plan& plan, const std::vector<schedule::SkipRoute>& routes) {
-    schedule::verify_comms(plan, routes);
-    routes_ = routes;
+    if (!verified_ || routes != routes_ || !(plan == *verified_)) {
+      verified_.reset();
+      schedule::verify_comms(plan, routes);
+      routes_ = routes;
+      receives_ = receives_of(schedule::comms(plan, routes), rank());
+      verified_ = plan;
+    }
     begin_step(plan.stages, plan.micro_batches, static_cast<int>(routes.size()));
-    expect(receives_of(schedule::comms(plan, routes), rank()));
+    expect(receives_);
   }
 
   /// Starts a training step of `stages` stages, `micro_batches` micro-batches and `skips` skip
@@ -416,6 +423,8 @@ class C10dTransport {
   std::int64_t gathers_ = 0;    // gather calls so far
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;
+  std::optional<schedule::Plan> verified_;  // the last plan begin_step verified, with routes_
+  std::vector<MessageKey> receives_;        // its receives on this rank
   std::atomic<std::int64_t> step_{0};
   std::int64_t shared_ = 0;  // share() calls so far
   bool begun_ = false;
