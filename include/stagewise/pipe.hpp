@@ -7,6 +7,7 @@
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
+#include "stagewise/pipe/pipeline_plan.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
@@ -174,6 +175,15 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(seq, b, std::move(options))) {
   }
 
+  /// The pipeline `plan` describes (`plan_pipeline`): its split of `seq`, its micro-batches,
+  /// checkpoint modes, offloads, and the schedule `train_step` runs. Place the stages with
+  /// `sw::Pipe(seq, plan.split, plan.options().devices(...))`.
+  ///   auto pipe = stagewise::Pipe(model, stagewise::plan_pipeline(model, batch, plan_options));
+  template <class... T>
+  requires(sizeof...(S) == 0 && sizeof...(T) == 0)
+      Pipe(const torch::nn::Sequential& seq, const PipelinePlan& plan, T...)
+      : Pipe(seq, plan.split, plan.options()) {}
+
  private:
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
@@ -190,5 +200,6 @@ template <class... S>
 Pipe(stage_list<S...>, PipeOptions) -> Pipe<S...>;
 Pipe(torch::nn::Sequential, balance)->Pipe<>;
 Pipe(torch::nn::Sequential, balance, PipeOptions)->Pipe<>;
+Pipe(torch::nn::Sequential, PipelinePlan)->Pipe<>;
 
 }  // namespace stagewise

@@ -95,7 +95,7 @@ class PipeOptions {
   /// docs/memory.md.
   ///   stagewise::PipeOptions().chunks(8).checkpoint("always")
   ///       .offload(stagewise::runtime::FileStore("/nvme/offload"))
-  PipeOptions& offload(runtime::AnyStore store, schedule::OffloadCosts costs = {}) {
+  PipeOptions& offload(runtime::AnyStore store, ::stagewise::schedule::OffloadCosts costs = {}) {
     TORCH_CHECK(costs.round_trips >= 0.0, "stagewise::PipeOptions: offload's round_trips is ",
                 costs.round_trips, "; give 0 or more (3: a pair must hide three copies)");
     offload_store_ = std::move(store);
@@ -118,18 +118,28 @@ class PipeOptions {
   ///                                            sw::runtime::FileStore("/nvme/offload"))
   PipeOptions& memory_budget(std::int64_t bytes, Batch sample,
                              std::optional<runtime::AnyStore> store = std::nullopt,
-                             schedule::any_schedule sched = {"one_f_one_b",
-                                                             schedule::one_f_one_b{}}) {
+                             ::stagewise::schedule::any_schedule sched = {"one_f_one_b",
+                                                             ::stagewise::schedule::one_f_one_b{}}) {
     TORCH_CHECK(bytes > 0, "stagewise::PipeOptions: memory_budget is ", bytes,
                 " bytes; give a positive number of bytes of activations per stage");
     memory_budget_ = MemoryBudget{bytes, std::move(sample), std::move(store), std::move(sched)};
     return *this;
   }
 
+  /// The schedule `train_step` runs when it is given none (default: GPipe's fill-drain), e.g.
+  /// the one `plan_pipeline` chose. A distributed pipe places its stages on ranks as the schedule
+  /// places them on workers, unless its Options say otherwise.
+  ///   sw::PipeOptions().chunks(8).schedule({"one_f_one_b", sw::schedule::one_f_one_b{}})
+  PipeOptions& schedule(::stagewise::schedule::any_schedule s) {
+    schedule_ = std::move(s);
+    return *this;
+  }
+  const std::optional<::stagewise::schedule::any_schedule>& schedule() const { return schedule_; }
+
   int64_t chunks() const { return chunks_; }
   const std::optional<MemoryBudget>& memory_budget() const { return memory_budget_; }
   const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
-  const schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
+  const ::stagewise::schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
   /// The mode of every stage; an error when the modes differ per stage (read checkpoint_of).
   Checkpoint checkpoint() const {
     for (auto mode : stage_checkpoints_) {
@@ -170,8 +180,9 @@ class PipeOptions {
   std::vector<torch::Device> devices_;
   bool deferred_batch_norm_ = false;
   std::optional<runtime::AnyStore> offload_store_;
-  schedule::OffloadCosts offload_costs_;
+  ::stagewise::schedule::OffloadCosts offload_costs_;
   std::optional<MemoryBudget> memory_budget_;
+  std::optional<::stagewise::schedule::any_schedule> schedule_;
 };
 
 }  // namespace stagewise

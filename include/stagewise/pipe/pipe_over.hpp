@@ -51,6 +51,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -58,11 +59,20 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace stagewise {
+
+namespace detail {
+// The schedule of a train_step given none: the pipe's (PipeOptions().schedule(...), GPipe by
+// default).
+struct options_schedule {};
+template <class S>
+concept step_schedule = schedule::pipeline_schedule<S> || std::same_as<S, options_schedule>;
+}  // namespace detail
 
 /// The pipe over any transport, behind the `PipeOver<Transport>` holder: the stages this process
 /// runs (as `transport->processes()` says), their skip layout, and the training step, saves and
@@ -87,8 +97,9 @@ class PipeOverImpl : public detail::PlacedStages {
         options_, {.who = who_, .processes = here.count, .rank = here.rank}, seq, b));
   }
 
-  /// One training step driven by `sched` (GPipe's fill-drain by default; also
-  /// `schedule::one_f_one_b`, `interleaved_one_f_one_b`, `zero_bubble_h1`, or your own coroutine):
+  /// One training step driven by `sched` (by default the pipe's: `PipeOptions().schedule(...)`,
+  /// GPipe's fill-drain if none was given; also `schedule::one_f_one_b`,
+  /// `interleaved_one_f_one_b`, `zero_bubble_h1`, or your own coroutine):
   /// returns the loss of the whole mini-batch and leaves the parameters' gradients accumulated, as
   /// `loss_fn(model(input), target).backward()` would. `loss_fn(output, target)` must average
   /// over the rows of its micro-batch (the default reduction of LibTorch's losses); each
@@ -105,14 +116,14 @@ class PipeOverImpl : public detail::PlacedStages {
   /// undefined tensors), and every rank returns the loss.
   ///   sw::schedule::Timeline t;
   ///   pipe->train_step(x, y, loss_fn, sw::schedule::zero_bubble_h1{}, &t);
-  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  template <detail::step_schedule Schedule = detail::options_schedule>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            const Schedule& sched = {}, schedule::Timeline* timeline = nullptr) {
     return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
   }
 
   /// train_step for one input tensor and one target tensor.
-  template <schedule::pipeline_schedule Schedule = schedule::gpipe>
+  template <detail::step_schedule Schedule = detail::options_schedule>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            runtime::loss_fn_t loss_fn, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
@@ -126,7 +137,7 @@ class PipeOverImpl : public detail::PlacedStages {
   /// optimizer's step (for SGD, Adam, AdamW, ...).
   ///   stagewise::optim::FusedStep fused(pipe->parameters(), torch::optim::AdamOptions(1e-3));
   ///   auto loss = pipe->train_step(x, y, loss_fn, fused);  // no optimizer.step() needed
-  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  template <fused_stepper Fused, detail::step_schedule Schedule = detail::options_schedule>
   torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                            Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
@@ -151,7 +162,7 @@ class PipeOverImpl : public detail::PlacedStages {
   }
 
   /// The fused train_step for one input tensor and one target tensor.
-  template <fused_stepper Fused, schedule::pipeline_schedule Schedule = schedule::gpipe>
+  template <fused_stepper Fused, detail::step_schedule Schedule = detail::options_schedule>
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            runtime::loss_fn_t loss_fn, Fused& fused, const Schedule& sched = {},
                            schedule::Timeline* timeline = nullptr) {
@@ -229,6 +240,13 @@ class PipeOverImpl : public detail::PlacedStages {
   const Transport& transport() const { return *transport_; }
   /// Which processes exist and which stages each runs (the transport's).
   runtime::Processes processes() const { return transport_->processes(); }
+  /// The thread of stage `j`'s worker in this process (a worker running several stages of a
+  /// schedule runs on the thread of its first), e.g. to attribute memory with `MemoryMeter`.
+  std::thread::id stage_thread(std::size_t j) const {
+    TORCH_CHECK_INDEX(j < stages_.size() && stages_[j] != nullptr, who_, ": stage ", j,
+                      " does not run in this process (it has ", stages_.size(), " stages)");
+    return stages_[j]->worker.id();
+  }
 
  protected:
   /// `who` opens every error ("stagewise::Pipe"); `transport` is the one every step runs over.
@@ -340,6 +358,17 @@ class PipeOverImpl : public detail::PlacedStages {
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,
                          schedule::Timeline* timeline) {
+    if constexpr (std::is_same_v<Schedule, detail::options_schedule>) {
+      return run_step(input, target, std::move(loss_fn), resolved_.schedule, before, timeline);
+    } else {
+      return run_scheduled(input, target, std::move(loss_fn), sched, before, timeline);
+    }
+  }
+
+  template <class Schedule>
+  torch::Tensor run_scheduled(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                              const Schedule& sched, const std::function<void(int)>& before,
+                              schedule::Timeline* timeline) {
     const std::string& where = where_;
     const int n = static_cast<int>(stages_.size());
     TORCH_CHECK(n > 0, where, ": the pipe has no stages");

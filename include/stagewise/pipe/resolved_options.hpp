@@ -2,6 +2,8 @@
 
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/schedule/any_schedule.hpp"
+#include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/memory_plan.hpp"
 #include "stagewise/schedule/offload.hpp"
 
@@ -40,6 +42,8 @@ struct ResolvedPipeOptions {
   /// A distributed pipe's rank (within a replica) of every stage; empty in one process, where
   /// each step's schedule places the stages on workers.
   std::vector<int> placement;
+  /// The schedule `train_step` runs when given none.
+  ::stagewise::schedule::any_schedule schedule{"gpipe", ::stagewise::schedule::gpipe{}};
 };
 
 }  // namespace stagewise

@@ -63,10 +63,17 @@ inline void check_deferred_batch_norm(const PipeOptions& o, const PipeKind& kind
 }
 
 // Every stage's rank within a replica (a distributed pipe), or nothing (one process: the
-// schedule places the stages on workers).
-inline std::vector<int> resolve_placement(const PipeKind& kind, int stages) {
+// schedule places the stages on workers): as Options::placed_like says, else as the options'
+// schedule places them (PipeOptions().schedule(...), unless virtual_stages says otherwise), else
+// stage j on rank j % (stages / virtual_stages).
+inline std::vector<int> resolve_placement(const PipeOptions& o, const PipeKind& kind, int stages) {
   if (!kind.places_ranks) return {};
   if (kind.placement) return kind.placement(stages);
+  if (o.schedule() && kind.virtual_stages == 1) {
+    std::vector<int> out;
+    for (int j = 0; j < stages; ++j) out.push_back(o.schedule()->worker_of(j, stages));
+    return out;
+  }
   const int v = kind.virtual_stages;
   TORCH_CHECK(v >= 1 && stages % v == 0, kind.who, ": ", stages, " stages do not split into ", v,
               " virtual stages per rank; give a balance with a multiple of ", v,
@@ -148,7 +155,8 @@ inline ResolvedPipeOptions resolve_common(const PipeOptions& o, const PipeKind& 
   r.deferred_batch_norm = o.deferred_batch_norm();
   r.offload_store = o.offload_store();
   r.offload_costs = resolve_offload_costs(o, kind, stages);
-  r.placement = resolve_placement(kind, static_cast<int>(stages));
+  r.placement = resolve_placement(o, kind, static_cast<int>(stages));
+  if (o.schedule()) r.schedule = *o.schedule();
   return r;
 }
 

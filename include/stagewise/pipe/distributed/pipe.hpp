@@ -3,6 +3,7 @@
 #include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
+#include "stagewise/pipe/pipeline_plan.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"
@@ -336,6 +337,16 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
        PipeOptions options = {}, Options dist = {})
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
             std::move(connection), seq, b, std::move(options), std::move(dist))) {}
+  /// The pipeline `plan` describes (`plan_pipeline` for its number of ranks per replica):
+  /// its split, micro-batches, checkpoint modes, offloads, and the schedule `train_step` runs,
+  /// whose placement puts the stages on ranks. Rendezvouses from the environment.
+  ///   sw::distributed::Pipe pipe(model, sw::plan_pipeline(model, batch, options));
+  Pipe(const torch::nn::Sequential& seq, const PipelinePlan& plan, Options dist = {})
+      : Pipe(seq, plan.split, plan.options(), std::move(dist)) {}
+  /// The same over a job the caller already joined.
+  Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const PipelinePlan& plan,
+       Options dist = {})
+      : Pipe(std::move(connection), seq, plan.split, plan.options(), std::move(dist)) {}
 };
 
 }  // namespace stagewise::distributed

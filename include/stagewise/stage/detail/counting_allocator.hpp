@@ -38,7 +38,10 @@ class CountingCpuAllocator final : public c10::Allocator {
       }
       it->second = Entry{std::move(inner), n};
     }
-    current_ += static_cast<int64_t>(n);
+    const int64_t now = current_ += static_cast<int64_t>(n);
+    int64_t seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
     return c10::DataPtr(data, data, &CountingCpuAllocator::release, device);
   }
 
@@ -49,8 +52,11 @@ class CountingCpuAllocator final : public c10::Allocator {
     std::memcpy(dest, src, count);
   }
 
-  // Bytes allocated through this allocator and not freed yet.
+  // Bytes allocated through this allocator and not freed yet, and the most at once since the
+  // last reset_peak().
   int64_t current() const { return current_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(current_.load()); }
 
   static CountingCpuAllocator& instance() {
     static CountingCpuAllocator* self = new CountingCpuAllocator();  // outlives every tensor
@@ -89,6 +95,7 @@ class CountingCpuAllocator final : public c10::Allocator {
   mutable std::mutex mutex_;
   mutable std::unordered_map<void*, Entry> live_;
   mutable std::atomic<int64_t> current_{0};
+  mutable std::atomic<int64_t> peak_{0};
 };
 
 

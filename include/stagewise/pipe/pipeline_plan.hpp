@@ -1,0 +1,120 @@
+#pragma once
+
+#include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/pipe/options.hpp"
+#include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/schedule/any_schedule.hpp"
+#include "stagewise/schedule/offload.hpp"
+#include "stagewise/schedule/worker_memory.hpp"
+#include "stagewise/stage/partition.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace stagewise {
+
+/// One configuration `plan_pipeline` weighed: what it is, its predicted step time and worst
+/// worker's peak, and whether it fits the cap (if not, why).
+struct PlanCandidate {
+  std::string description;
+  double step_seconds = 0;
+  double peak = 0;  ///< the worst worker's predicted peak, bytes
+  bool fits = false;
+  std::string why_not;
+};
+
+/// What `plan_pipeline` chose: the split, the schedule, the number of micro-batches, each
+/// stage's checkpoint mode and whether it offloads, and whether the optimizer step is fused into
+/// backward; with the predicted step time and each worker's predicted peak by what holds it.
+/// `sw::Pipe(model, plan)` builds exactly that pipe, whose `train_step` runs the planned schedule;
+/// `report()` says what was weighed and why.
+///   auto plan = sw::plan_pipeline(model, batch, sw::PlanOptions().workers(4).memory_per_worker(cap));
+///   std::cout << plan.report();
+///   auto pipe = sw::Pipe(model, plan);
+struct PipelinePlan {
+  balance split;                 ///< layers per stage
+  std::string split_by;          ///< "time" or "size" (the exact min-max split of either)
+  schedule::any_schedule schedule{"gpipe", schedule::gpipe{}};
+  int stages_per_worker = 1;     ///< 2 for the V-shaped and interleaved{2} schedules
+  int workers = 1;
+  std::int64_t micro_batches = 1;
+  std::int64_t batch_rows = 0;
+  std::vector<Checkpoint> checkpoints;  ///< per stage
+  std::vector<bool> offload_stages;     ///< per stage
+  std::optional<runtime::AnyStore> store;
+  schedule::OffloadCosts offload_costs;
+  /// Whether the plan counts on the optimizer step fused into backward (`optim::FusedStep`,
+  /// passed to `train_step`): it frees each gradient once stepped.
+  bool fused_step = false;
+  std::string optimizer;               ///< what the state bytes were counted for
+  std::int64_t cap = 0;                ///< bytes per worker
+  double step_seconds = 0;             ///< predicted
+  std::vector<schedule::WorkerMemory> memory;  ///< per worker, predicted
+  /// Every candidate weighed, fastest first (or smallest first when planned for memory).
+  std::vector<PlanCandidate> candidates;
+
+  /// The options that build this pipe: chunks, checkpoint modes, offload and the schedule
+  /// `train_step` runs (add `devices(...)` to place the stages).
+  PipeOptions options() const {
+    auto o = PipeOptions().chunks(micro_batches).checkpoint(checkpoints).schedule(schedule);
+    if (store && std::find(offload_stages.begin(), offload_stages.end(), true) !=
+                     offload_stages.end()) {
+      schedule::OffloadCosts costs = offload_costs;
+      costs.stages = offload_stages;
+      o.offload(*store, costs);
+    }
+    return o;
+  }
+
+  /// The worst worker's predicted peak, bytes.
+  double peak() const {
+    double most = 0;
+    for (const auto& w : memory) most = std::max(most, w.peak);
+    return most;
+  }
+
+  /// What was chosen, each worker's predicted peak by what holds it, and every candidate with
+  /// its time and peak (the faster ones with why they were rejected).
+  std::string report() const {
+    std::ostringstream out;
+    auto mib = [](double b) {
+      std::ostringstream s;
+      s << std::fixed << std::setprecision(2) << b / (1 << 20) << " MiB";
+      return s.str();
+    };
+    out << "pipeline plan: " << schedule.name() << " on " << workers << " workers ("
+        << split.size() << " stages, split by " << split_by << ": ";
+    for (std::size_t j = 0; j < split.size(); ++j) out << (j ? " " : "") << split[j];
+    out << " layers), " << micro_batches << " micro-batches of " << batch_rows / micro_batches
+        << " rows, " << (fused_step ? "fused" : "unfused") << " " << optimizer
+        << " step; predicted step " << std::setprecision(4) << step_seconds * 1e3
+        << " ms, peak " << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap))
+        << " per worker\n";
+    for (std::size_t j = 0; j < checkpoints.size(); ++j) {
+      out << "  stage " << j << ": checkpoint " << to_string(checkpoints[j])
+          << (j < offload_stages.size() && offload_stages[j] ? ", offloads" : "") << "\n";
+    }
+    for (std::size_t w = 0; w < memory.size(); ++w) {
+      const auto& m = memory[w];
+      out << "  worker " << w << ": peak " << mib(m.peak) << " = parameters " << mib(m.params)
+          << " + gradients " << mib(m.grads) << " + optimizer state " << mib(m.optimizer)
+          << " + kept activations " << mib(m.activations) << " + working " << mib(m.working)
+          << "; offloaded " << mib(m.offloaded) << "\n";
+    }
+    out << "candidates (" << candidates.size() << "):\n";
+    for (const auto& c : candidates) {
+      out << "  " << (c.fits ? "fits " : "over ") << std::setprecision(4)
+          << c.step_seconds * 1e3 << " ms, peak " << mib(c.peak) << ": " << c.description;
+      if (!c.fits) out << " - " << c.why_not;
+      out << "\n";
+    }
+    return out.str();
+  }
+};
+
+}  // namespace stagewise

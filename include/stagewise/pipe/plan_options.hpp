@@ -1,0 +1,156 @@
+#pragma once
+
+#include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/schedule/any_schedule.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace stagewise {
+
+/// Adam's (or AdamW's) state for `plan_pipeline`: two tensors per parameter (first and second
+/// moments), and about two parameters' worth of temporaries while one parameter steps.
+struct AdamState {
+  double lr = 1e-3;
+  double weight_decay = 0;
+};
+
+/// SGD's state: one tensor per parameter with momentum, none without.
+struct SGDState {
+  double lr = 0.1;
+  double momentum = 0;
+};
+
+/// What `plan_pipeline` weighs a candidate by: the fastest step that fits (`time`, the default),
+/// or the smallest peak that fits (`memory`; ties go to the faster).
+enum class PlanFor { time, memory };
+
+/// The question `plan_pipeline` answers, as chained setters: how many workers (devices, or ranks
+/// of a distributed pipe), how many bytes each may hold in all (parameters, gradients, optimizer
+/// state, activations, working memory), the optimizer, an optional store to offload to, and
+/// optionally the candidates to weigh (schedules by name, micro-batch counts).
+///   sw::PlanOptions().workers(4).memory_per_worker(6LL << 30).optimizer(sw::AdamState{})
+///       .store(sw::runtime::HostStore())
+class PlanOptions {
+ public:
+  /// Workers: devices, or ranks of a distributed pipe (default 2).
+  PlanOptions& workers(int n) {
+    TORCH_CHECK(n >= 1, "stagewise::PlanOptions: workers is ", n, "; give 1 or more");
+    workers_ = n;
+    return *this;
+  }
+  /// The bytes each worker may hold in all (required): its stages' parameters, their gradients,
+  /// the optimizer's state, the activations its cells keep, and its largest action's working
+  /// memory.
+  PlanOptions& memory_per_worker(std::int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "stagewise::PlanOptions: memory_per_worker is ", bytes,
+                " bytes; give the bytes one worker (device) may hold");
+    cap_ = bytes;
+    return *this;
+  }
+  /// The optimizer (default AdamState{}): its state's bytes and its step's time count.
+  PlanOptions& optimizer(AdamState s) {
+    optimizer_name_ = "adam";
+    state_per_param_ = 2.0;
+    step_temporaries_ = 2.0;
+    adam_ = s;
+    sgd_.reset();
+    return *this;
+  }
+  PlanOptions& optimizer(SGDState s) {
+    optimizer_name_ = s.momentum != 0 ? "sgd with momentum" : "sgd";
+    state_per_param_ = s.momentum != 0 ? 1.0 : 0.0;
+    step_temporaries_ = 1.0;
+    sgd_ = s;
+    adam_.reset();
+    return *this;
+  }
+  /// A store checkpointed cells may offload to (default none), and its copy speed in bytes per
+  /// second each way (default 4 GB/s; a file store on a disk is slower).
+  PlanOptions& store(runtime::AnyStore s, double bytes_per_second = 4e9) {
+    TORCH_CHECK(bytes_per_second > 0, "stagewise::PlanOptions: the store's speed is ",
+                bytes_per_second, " bytes per second; give a positive speed");
+    store_ = std::move(s);
+    store_speed_ = bytes_per_second;
+    return *this;
+  }
+  /// The schedules to weigh, by name (default: every built-in one; see schedule::default_candidates).
+  PlanOptions& schedules(std::vector<std::string> names) {
+    TORCH_CHECK(!names.empty(), "stagewise::PlanOptions: schedules is empty; leave it out to "
+                "weigh every built-in schedule");
+    schedules_ = std::move(names);
+    return *this;
+  }
+  /// The micro-batch counts to weigh (default: every divisor of the batch's rows up to 64).
+  PlanOptions& micro_batches(std::vector<int> counts) {
+    for (int m : counts) {
+      TORCH_CHECK(m >= 1, "stagewise::PlanOptions: micro_batches holds ", m,
+                  "; give counts of 1 or more");
+    }
+    TORCH_CHECK(!counts.empty(), "stagewise::PlanOptions: micro_batches is empty; leave it out "
+                "to weigh every divisor of the batch");
+    micro_batches_ = std::move(counts);
+    return *this;
+  }
+  /// Weigh only a fused (true) or only an unfused (false) optimizer step (default: both).
+  PlanOptions& fused_step(bool on) {
+    fused_ = on;
+    return *this;
+  }
+  /// Fastest first (default) or smallest first.
+  PlanOptions& prefer(PlanFor p) {
+    prefer_ = p;
+    return *this;
+  }
+  /// Where stages are profiled (default: where the model is).
+  PlanOptions& device(torch::Device d) {
+    device_ = d;
+    return *this;
+  }
+  /// Timed profiling rounds (default 2, after an untimed one).
+  PlanOptions& rounds(int n) {
+    TORCH_CHECK(n >= 1, "stagewise::PlanOptions: rounds is ", n, "; give 1 or more");
+    rounds_ = n;
+    return *this;
+  }
+
+  int workers() const { return workers_; }
+  std::int64_t memory_per_worker() const { return cap_; }
+  const std::string& optimizer_name() const { return optimizer_name_; }
+  double state_per_param() const { return state_per_param_; }
+  double step_temporaries() const { return step_temporaries_; }
+  const std::optional<AdamState>& adam() const { return adam_; }
+  const std::optional<SGDState>& sgd() const { return sgd_; }
+  const std::optional<runtime::AnyStore>& store() const { return store_; }
+  double store_speed() const { return store_speed_; }
+  const std::vector<std::string>& schedules() const { return schedules_; }
+  const std::vector<int>& micro_batches() const { return micro_batches_; }
+  const std::optional<bool>& fused_step() const { return fused_; }
+  PlanFor prefer() const { return prefer_; }
+  const std::optional<torch::Device>& device() const { return device_; }
+  int rounds() const { return rounds_; }
+
+ private:
+  int workers_ = 2;
+  std::int64_t cap_ = 0;
+  std::string optimizer_name_ = "adam";
+  double state_per_param_ = 2.0;
+  double step_temporaries_ = 2.0;
+  std::optional<AdamState> adam_ = AdamState{};
+  std::optional<SGDState> sgd_;
+  std::optional<runtime::AnyStore> store_;
+  double store_speed_ = 4e9;
+  std::vector<std::string> schedules_;
+  std::vector<int> micro_batches_;
+  std::optional<bool> fused_;
+  PlanFor prefer_ = PlanFor::time;
+  std::optional<torch::Device> device_;
+  int rounds_ = 2;
+};
+
+}  // namespace stagewise
