@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace stagewise::schedule {
@@ -22,6 +23,11 @@ namespace stagewise::schedule {
 ///   auto s = stagewise::schedule::from_csv("0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n");
 ///   pipe->train_step(x, y, loss_fn, s);  // 2 stages, 2 micro-batches
 struct csv_schedule {
+  /// Its name (`named_schedule`): `any_schedule(s)` calls it "csv".
+  static constexpr std::string_view name = "csv";
+  /// As pictures title it.
+  static constexpr std::string_view title = "CSV";
+
   int stages = 0;                          ///< 1 + the largest stage in the file
   int micro_batches = 0;                   ///< 1 + the largest micro-batch in the file
   std::vector<std::vector<Action>> ranks;  ///< per rank (row), in order

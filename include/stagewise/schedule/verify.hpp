@@ -108,13 +108,15 @@ inline std::string used_while_away(const Action& a, std::size_t p, unsigned cell
          ", or drop the offload";
 }
 
-inline std::string on_stage(const Action& a) { return " on stage " + std::to_string(a.stage); }
+inline std::string on_stage(const Action& a) {
+  return " on stage " + std::to_string(a.stage);
+}
 
 // Rule: a cell runs its forward exactly once.
 inline std::string forward_problem(const Action& a, std::size_t p, unsigned cell) {
   if (!(cell & Ran::f)) return "";
-  return at(a, p) + " repeats the forward of micro-batch " + std::to_string(a.micro) +
-         on_stage(a) + "; every cell runs forward exactly once";
+  return at(a, p) + " repeats the forward of micro-batch " + std::to_string(a.micro) + on_stage(a) +
+         "; every cell runs forward exactly once";
 }
 
 // Rule: a cell's backward (one B, or one I) comes after its forward, once.
@@ -161,7 +163,7 @@ inline std::string recompute_problem(const Action& a, std::size_t p, unsigned ce
   if (cell & (Ran::b | Ran::i)) {
     return at(a, p) + " follows " +
            action_name(cell & Ran::b ? ActionKind::backward : ActionKind::input_grad, a.stage,
-                   a.micro) +
+                       a.micro) +
            "; the first backward of a checkpointed cell uses what its recompute rebuilds, "
            "so yield the R before it";
   }
@@ -288,8 +290,9 @@ inline std::string unfinished_cell(const std::vector<unsigned>& ran, int n, int 
       }
       if ((cell & Ran::i) && !(cell & Ran::w)) {
         return action_name(ActionKind::weight_grad, s, k) + " never comes; " +
-               action_name(ActionKind::input_grad, s, k) + " left the weight gradients of micro-batch " +
-               std::to_string(k) + " on stage " + std::to_string(s) + " to a W";
+               action_name(ActionKind::input_grad, s, k) +
+               " left the weight gradients of micro-batch " + std::to_string(k) + " on stage " +
+               std::to_string(s) + " to a W";
       }
     }
   }

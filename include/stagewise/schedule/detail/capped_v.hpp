@@ -143,20 +143,22 @@ inline std::vector<std::vector<Action>> capped_v_programs(int k, int m, int cap)
 }
 
 /// A V schedule whose workers each hold at most `Derived::cells(K)` cells: `workers`, `worker_of`
-/// and the actions, for v_half and v_min. `Derived` names itself in errors (`name`, `paper`).
+/// and the actions, for v_half and v_min. `Derived` names itself in errors (`name`, `title`).
 template <class Derived>
 struct capped_v {
   /// Number of workers for `stages` stages: stages / 2.
-  int workers(int stages) const { return v_workers(stages, Derived::name, Derived::paper); }
+  int workers(int stages) const { return v_workers(stages, Derived::name, Derived::title); }
   /// Worker w runs stages w and 2K-1-w.
   int worker_of(int stage, int stages) const { return v_worker_of(stage, workers(stages)); }
+  /// Stages per worker: 2.
+  static constexpr int stages_per_worker() { return 2; }
   /// The most cells (micro-batch, stage) a worker holds at once for `stages` stages: the cap the
   /// schedule is built under, reached once there are enough micro-batches (M >= K).
   int peak_cells(int stages) const { return Derived::cells(workers(stages)); }
 
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     const int k = workers(stages);
-    TORCH_CHECK(micro_batches >= 1, Derived::name, ": ", micro_batches,
+    TORCH_CHECK(micro_batches >= 1, "stagewise::schedule::", Derived::name, ": ", micro_batches,
                 " micro-batches; give 1 or more");
     for (auto& program : capped_v_programs(k, micro_batches, Derived::cells(k))) {
       for (const auto& a : program) co_yield a;
