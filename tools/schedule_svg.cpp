@@ -1,26 +1,21 @@
 // schedule_svg: simulates a pipeline schedule and draws its timeline as an SVG picture.
 //   schedule_svg --schedule=one_f_one_b --stages=4 --micro=8 [--virtual=2] [--costs=1,1,1]
 //                [--checkpointed=0] [--offload=COPY] [--title=TEXT] --out=file.svg
+// --schedule names a built-in (schedule/builtins.hpp: the list this tool iterates).
 // --offload=COPY places offloads and reloads (schedule::offload) with copies of that time, for the
-// checkpointed micro-batches of gpipe, one_f_one_b and zero_bubble_h1.
-// --stages is the number of workers K. With --schedule=interleaved_one_f_one_b or looped_bfs and
-// --virtual=v the model is cut into v x K stages, each costing 1/v of a whole stage; the
-// V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always cut it into 2K stages (two per
-// worker, costing 1/2 each), so pictures of different schedules show the same model. --costs are
-// T_F, T_B (input-gradient part) and T_W. Prints the makespan, the bubble and the peak
-// micro-batches in flight.
-#include "stagewise/schedule/dualpipe_v.hpp"
-#include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/schedule/interleaved.hpp"
-#include "stagewise/schedule/looped_bfs.hpp"
+// checkpointed micro-batches of the schedules with one stage per worker (gpipe, one_f_one_b and
+// zero_bubble_h1).
+// --stages is the number of workers K. With a schedule that takes virtual stages
+// (interleaved_one_f_one_b, looped_bfs) and --virtual=v the model is cut into v x K stages, each
+// costing 1/v of a whole stage; the V-shaped zero_bubble_v, dualpipe_v, v_half and v_min always
+// cut it into 2K stages (two per worker, costing 1/2 each), so pictures of different schedules
+// show the same model. --costs are T_F, T_B (input-gradient part) and T_W. Prints the makespan,
+// the bubble and the peak micro-batches in flight.
+#include "stagewise/schedule/builtins.hpp"
 #include "stagewise/schedule/offload.hpp"
-#include "stagewise/schedule/one_f_one_b.hpp"
+#include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/svg.hpp"
-#include "stagewise/schedule/v_half.hpp"
-#include "stagewise/schedule/v_min.hpp"
-#include "stagewise/schedule/zero_bubble.hpp"
-#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -29,20 +24,50 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace sched = stagewise::schedule;
 
 namespace {
 
+// "a, b and c"
+std::string listing(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  }
+  return out;
+}
+
+// The built-ins' names: all of them, those that take --virtual, and those --offload applies to
+// (one stage per worker).
+struct Names {
+  std::vector<std::string> all, virtual_stages, offload;
+};
+
+Names builtin_names() {
+  Names out;
+  sched::for_each_schedule([&](auto s) {
+    out.all.emplace_back(s.name);
+    if constexpr (requires { s.virtual_stages; }) {
+      out.virtual_stages.emplace_back(s.name);
+    } else if (sched::stages_per_worker_of(s) == 1) {
+      out.offload.emplace_back(s.name);
+    }
+  });
+  return out;
+}
+
 int usage(const std::string& problem) {
-  std::fprintf(
-      stderr,
-      "schedule_svg: %s\n"
-      "usage: schedule_svg --schedule=gpipe|one_f_one_b|interleaved_one_f_one_b|looped_bfs|\n"
-      "                               zero_bubble_h1|zero_bubble_v|dualpipe_v|v_half|v_min\n"
-      "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] [--checkpointed=n]\n"
-      "                    [--offload=COPY] [--title=TEXT] --out=FILE.svg\n",
-      problem.c_str());
+  std::string schedules;
+  for (const auto& n : builtin_names().all) schedules += (schedules.empty() ? "" : "|") + n;
+  std::fprintf(stderr,
+               "schedule_svg: %s\n"
+               "usage: schedule_svg --schedule=%s\n"
+               "                    --stages=K --micro=M [--virtual=v] [--costs=F,B,W] "
+               "[--checkpointed=n]\n"
+               "                    [--offload=COPY] [--title=TEXT] --out=FILE.svg\n",
+               problem.c_str(), schedules.c_str());
   return 2;
 }
 
@@ -92,62 +117,37 @@ int main(int argc, char** argv) {
     }
   }
   const std::string name = args["schedule"];
-  if (v != 1 && name != "interleaved_one_f_one_b" && name != "looped_bfs")
-    return usage("--virtual applies to interleaved_one_f_one_b and looped_bfs only");
+  const Names names = builtin_names();
+  const auto is = [&](const std::vector<std::string>& list) {
+    return std::find(list.begin(), list.end(), name) != list.end();
+  };
+  if (v != 1 && !is(names.virtual_stages))
+    return usage("--virtual applies to " + listing(names.virtual_stages) + " only");
+  if (!is(names.all)) return usage("unknown schedule '" + name + "'");
+  if (args.count("offload") && !is(names.offload))
+    return usage("--offload applies to " + listing(names.offload));
   try {
     sched::Simulation sim;
     std::string label;
-    if (name == "gpipe") {
-      sim = sched::simulate(sched::gpipe{}, k, m, costs, checkpointed);
-      label = "GPipe";
-    } else if (name == "one_f_one_b") {
-      sim = sched::simulate(sched::one_f_one_b{}, k, m, costs, checkpointed);
-      label = "1F1B";
-    } else if (name == "interleaved_one_f_one_b") {
-      sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
-      sim = sched::simulate(sched::interleaved_one_f_one_b{v}, k * v, m, part, checkpointed);
-      label = "interleaved 1F1B, v=" + std::to_string(v);
-    } else if (name == "looped_bfs") {
-      sched::Costs part{costs.forward / v, costs.input_grad / v, costs.weight_grad / v, -1.0};
-      sim = sched::simulate(sched::looped_bfs{v}, k * v, m, part, checkpointed);
-      label = "looped BFS, v=" + std::to_string(v);
-    } else if (name == "zero_bubble_v" || name == "dualpipe_v" || name == "v_half" ||
-               name == "v_min") {
-      sched::Costs half{costs.forward / 2, costs.input_grad / 2, costs.weight_grad / 2, -1.0};
-      if (name == "zero_bubble_v") {
-        sim = sched::simulate(sched::zero_bubble_v{}, 2 * k, m, half, checkpointed);
-        label = "ZB-V";
-      } else if (name == "v_half") {
-        sim = sched::simulate(sched::v_half{}, 2 * k, m, half, checkpointed);
-        label = "V-Half";
-      } else if (name == "v_min") {
-        sim = sched::simulate(sched::v_min{}, 2 * k, m, half, checkpointed);
-        label = "V-Min";
-      } else {
-        sim = sched::simulate(sched::dualpipe_v{}, 2 * k, m, half, checkpointed);
-        label = "DualPipeV";
+    sched::for_each_schedule([&](auto s) {
+      if (s.name != name) return;
+      if constexpr (requires { s.virtual_stages; }) s.virtual_stages = v;
+      const int per_worker = sched::stages_per_worker_of(s);
+      label = sched::title_of(s);
+      if constexpr (requires { s.virtual_stages; }) label += ", v=" + std::to_string(v);
+      if (args.count("offload")) {
+        // Offloads placed by schedule::offload, copies of the given time (one stage per worker).
+        costs.offload = std::stod(args["offload"]);
+        const auto p = sched::plan(s, k, m, checkpointed);
+        sim = sched::simulate(sched::offload(p, {.costs = costs}), costs);
+        label += ", offload";
+        return;
       }
-    } else if (name == "zero_bubble_h1") {
-      sim = sched::simulate(sched::zero_bubble_h1{}, k, m, costs, checkpointed);
-      label = "ZB-H1";
-    } else {
-      return usage("unknown schedule '" + name + "'");
-    }
-    if (args.count("offload")) {
-      // Offloads placed by schedule::offload, copies of the given time (one stage per worker).
-      costs.offload = std::stod(args["offload"]);
-      sched::Plan p;
-      if (name == "gpipe")
-        p = sched::plan(sched::gpipe{}, k, m, checkpointed);
-      else if (name == "one_f_one_b")
-        p = sched::plan(sched::one_f_one_b{}, k, m, checkpointed);
-      else if (name == "zero_bubble_h1")
-        p = sched::plan(sched::zero_bubble_h1{}, k, m, checkpointed);
-      else
-        return usage("--offload applies to gpipe, one_f_one_b and zero_bubble_h1");
-      sim = sched::simulate(sched::offload(p, {.costs = costs}), costs);
-      label += ", offload";
-    }
+      // Each of a worker's stages costs its share of the worker's whole model.
+      const sched::Costs part{costs.forward / per_worker, costs.input_grad / per_worker,
+                              costs.weight_grad / per_worker, -1.0};
+      sim = sched::simulate(s, k * per_worker, m, part, checkpointed);
+    });
     std::string title = args.count("title") ? args["title"]
                                             : label + ": " + std::to_string(k) + " workers, " +
                                                   std::to_string(m) + " micro-batches";

@@ -1,7 +1,8 @@
 #pragma once
 
 // stagewise: memory-efficient pipeline-parallel training for LibTorch. Umbrella header: every
-// public header of the one-process library (the distributed form: stagewise/distributed.hpp).
+// public header of the one-process library, here or through the headers here (the distributed
+// form: stagewise/distributed.hpp). tools/check_layers checks that none is missing.
 
 #include "stagewise/autograd/parallel_branches.hpp"
 #include "stagewise/core/autocast_state.hpp"
@@ -42,17 +43,14 @@
 #include "stagewise/runtime/stream.hpp"
 #include "stagewise/runtime/transport.hpp"
 #include "stagewise/schedule/action.hpp"
+#include "stagewise/schedule/builtins.hpp"  // every built-in schedule
+#include "stagewise/schedule/choose.hpp"
 #include "stagewise/schedule/chrome_trace.hpp"
 #include "stagewise/schedule/clock.hpp"
 #include "stagewise/schedule/comms.hpp"
 #include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/csv.hpp"
-#include "stagewise/schedule/dualpipe_v.hpp"
-#include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/schedule/interleaved.hpp"
-#include "stagewise/schedule/looped_bfs.hpp"
 #include "stagewise/schedule/offload.hpp"
-#include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/plan_cache.hpp"
 #include "stagewise/schedule/reductions.hpp"
@@ -62,10 +60,6 @@
 #include "stagewise/schedule/transfer_kind.hpp"
 #include "stagewise/schedule/verify.hpp"
 #include "stagewise/schedule/worker_memory.hpp"
-#include "stagewise/schedule/zero_bubble.hpp"
-#include "stagewise/schedule/v_half.hpp"
-#include "stagewise/schedule/v_min.hpp"
-#include "stagewise/schedule/zero_bubble_v.hpp"
 #include "stagewise/skip/layout.hpp"
 #include "stagewise/skip/namespace.hpp"
 #include "stagewise/skip/skippable.hpp"

@@ -2,9 +2,15 @@
 
     python3 load_in_python.py OUT_DIR
 
+The model is written from docs/gpt.md ("The architecture, exactly") alone: RMSNorm with epsilon
+1e-5 and its weight after normalising, q/k/v as the three dim-wide blocks of qkv's output (heads
+contiguous in each), RoPE in halves with tables computed here from base 10000, the causal and
+same-document mask, exact GELU, no biases, no tie.
+
 OUT_DIR holds gpt.pt, gpt.safetensors and gpt_probe.pt (token ids and the C++ model's logits for
-them). The weights are loaded from each file, strictly (every name present, none left over), and
-the PyTorch model's logits must equal the probe's within 1e-5. Exits 1 otherwise.
+them). The weights are loaded from each file, strictly (every name present, none left over); the
+file's RoPE tables and causal mask must equal the ones computed here, and the PyTorch model's
+logits the probe's within 1e-5. Exits 1 otherwise.
 """
 import json
 import math
@@ -26,7 +32,15 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
+def rope_tables(context, half, base=10000.0):
+    """angle[p, i] = p * base^(-i/half) in float64, for p < context, i < half; cos, sin in float32."""
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    angles = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
 def apply_rope(x, cos, sin):
+    """Halves (GPT-NeoX), not interleaved: feature j < half pairs with j + half."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -41,6 +55,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask):
         b, t, d = x.shape
+        # qkv's output features: q, k, v blocks of d each; in each, head h's hd features together.
         parts = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(parts[0], cos, sin), apply_rope(parts[1], cos, sin)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d // self.heads)
@@ -55,7 +70,7 @@ class Mlp(nn.Module):
         self.out = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x):
-        return self.out(F.gelu(self.fc(x)))
+        return self.out(F.gelu(self.fc(x), approximate="none"))  # exact: the erf form
 
 
 class Block(nn.Module):
@@ -70,6 +85,9 @@ class Block(nn.Module):
 
 
 class Embed(nn.Module):
+    """The token embedding; the C++ layer also holds the tables and mask as buffers, which are
+    loaded here to be compared with the ones this model computes (`Gpt.tables_match`)."""
+
     def __init__(self, vocab, dim, context, half):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
@@ -94,16 +112,25 @@ class Gpt(nn.Module):
     def __init__(self, vocab, dim, heads, layers, context):
         super().__init__()
         self.embed = Embed(vocab, dim, context, dim // heads // 2)
+        self.cos, self.sin = rope_tables(context, dim // heads // 2)
+        self.causal = torch.ones(context, context, dtype=torch.bool).tril()
         self.layers = layers
         for i in range(layers):
             setattr(self, f"block{i}", Block(dim, heads))
         self.head = Head(dim, vocab)
 
+    def tables_match(self):
+        """Whether the loaded buffers are the tables and mask computed from the page."""
+        return (torch.equal(self.cos, self.embed.rope_cos) and
+                torch.equal(self.sin, self.embed.rope_sin) and
+                torch.equal(self.causal, self.embed.causal_mask))
+
     def forward(self, ids):
         t = ids.shape[1]
-        cos, sin = self.embed.rope_cos[:t], self.embed.rope_sin[:t]
+        cos, sin = self.cos[:t], self.sin[:t]
+        # Causal, and within the document: a byte 0 starts a new one at its own position.
         doc = ids.eq(0).cumsum(1)
-        mask = self.embed.causal_mask[:t, :t].logical_and(doc.unsqueeze(2).eq(doc.unsqueeze(1)))
+        mask = self.causal[:t, :t].logical_and(doc.unsqueeze(2).eq(doc.unsqueeze(1)))
         x = self.embed.tok(ids)
         for i in range(self.layers):
             x = getattr(self, f"block{i}")(x, cos, sin, mask.unsqueeze(1))
@@ -143,13 +170,15 @@ def main(out):
                            ("safetensors", read_safetensors(f"{out}/gpt.safetensors"))):
         model = model_for(weights)
         model.load_state_dict(weights, strict=True)
+        tables = model.tables_match()
         with torch.no_grad():
             logits = model(probe["ids"])
         diff = (logits - probe["logits"]).abs().max().item()
         good = diff <= 1e-5
-        ok = ok and good
-        print(f"{label}: {len(weights)} tensors, logits max |diff| {diff:.3g} "
-              f"{'<= 1e-5' if good else '> 1e-5: MISMATCH'}")
+        ok = ok and good and tables
+        print(f"{label}: {len(weights)} tensors, RoPE tables and mask "
+              f"{'as computed' if tables else 'DIFFER from the computed ones'}, logits max |diff| "
+              f"{diff:.3g} {'<= 1e-5' if good else '> 1e-5: MISMATCH'}")
     return 0 if ok else 1
 
 

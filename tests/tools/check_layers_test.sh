@@ -33,7 +33,13 @@ printf '#pragma once\nnamespace stagewise::detail {\n}  // namespace stagewise::
 # A folder that is no layer; an include of a missing header; the umbrella including private code.
 printf '#pragma once\nnamespace stagewise {}\n' >"$inc/misc/m.hpp"
 printf '#pragma once\n#include "stagewise/skip/gone.hpp"\nnamespace stagewise {}\n' >"$inc/skip/b.hpp"
-printf '#pragma once\n#include "stagewise/runtime/detail/right.hpp"\n' >"$inc/stagewise.hpp"
+printf '#pragma once\n#include "stagewise/runtime/detail/right.hpp"\n#include "stagewise/core/a.hpp"\n#include "stagewise/runtime/c10d/t.hpp"\n' \
+  >"$inc/stagewise.hpp"
+# The umbrellas: stagewise.hpp reaches core/a.hpp and, through it, runtime/cell.hpp, but not
+# skip/b.hpp, skip/only_detail.hpp or misc/m.hpp; and it reaches a header of the distributed form.
+mkdir -p "$inc/runtime/c10d"
+printf '#pragma once\nnamespace stagewise::runtime {}\n' >"$inc/runtime/c10d/t.hpp"
+printf '#pragma once\n#include "stagewise/runtime/c10d/t.hpp"\n' >"$inc/distributed.hpp"
 
 out=$("$check" "$bad")
 rc=$?
@@ -49,6 +55,11 @@ expect "skip/only_detail.hpp: holds only detail code; it belongs in a detail/ fo
 expect "misc/m.hpp: not in a layer folder"
 expect "skip/b.hpp: includes stagewise/skip/gone.hpp, which does not exist"
 expect "stagewise.hpp includes the private header stagewise/runtime/detail/right.hpp"
+expect "skip/b.hpp: public, but stagewise.hpp does not include it (directly or through another header); add #include \"stagewise/skip/b.hpp\" to it"
+expect "skip/only_detail.hpp: public, but stagewise.hpp does not include it"
+expect "misc/m.hpp: public, but stagewise.hpp does not include it"
+expect "stagewise.hpp reaches runtime/c10d/t.hpp, a header of the distributed form; include it from distributed.hpp only"
 grep -q "right.hpp: private" <<<"$out" && fail "a private header in its folder's namespace was reported"
-expect "check_layers: 7 problems in 8 headers"
+grep -q "cell.hpp: public" <<<"$out" && fail "a header the umbrella reaches through another was reported"
+expect "check_layers: 11 problems in 10 headers"
 echo "check_layers_test: passed"

@@ -14,14 +14,18 @@ namespace stagewise::schedule {
 /// program keeps when it picks the schedule at run time. It runs, verifies, simulates and
 /// draws like the schedule it holds, and places stages as that schedule does (k % workers for
 /// one that does not say).
-///   stagewise::schedule::any_schedule s("v_min", stagewise::schedule::v_min{});
+///   stagewise::schedule::any_schedule s(stagewise::schedule::v_min{});  // its own name
 ///   pipe->train_step(x, y, loss_fn, s);
 ///   s.name();  // "v_min"
 class any_schedule {
  public:
+  /// Holds `s` under the name given.
   template <pipeline_schedule S>
   any_schedule(std::string name, S s)
       : name_(std::move(name)), held_(std::make_shared<const Held<S>>(std::move(s))) {}
+  /// Holds `s` under its own name (`name_of(s)`: "v_min", "interleaved_one_f_one_b{2}").
+  template <named_schedule S>
+  explicit any_schedule(const S& s) : any_schedule(name_of(s), s) {}
 
   /// The name it was given.
   const std::string& name() const { return name_; }

@@ -2,16 +2,10 @@
 
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
-#include "stagewise/schedule/dualpipe_v.hpp"
-#include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/schedule/interleaved.hpp"
-#include "stagewise/schedule/one_f_one_b.hpp"
+#include "stagewise/schedule/builtins.hpp"
+#include "stagewise/schedule/concepts.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
-#include "stagewise/schedule/v_half.hpp"
-#include "stagewise/schedule/v_min.hpp"
-#include "stagewise/schedule/zero_bubble.hpp"
-#include "stagewise/schedule/zero_bubble_v.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -91,19 +85,24 @@ struct ActivationLimit {
 struct ScheduleCandidate {
   any_schedule schedule;
   int stages_per_worker = 1;
+
+  /// `s` under its own name, with its own stages per worker (`stages_per_worker_of`).
+  ///   ScheduleCandidate::of(stagewise::schedule::looped_bfs{2})  // "looped_bfs{2}", 2
+  template <named_schedule S>
+  static ScheduleCandidate of(const S& s) {
+    return {any_schedule(s), stages_per_worker_of(s)};
+  }
 };
 
-/// The schedules `choose` weighs by default: GPipe, 1F1B, ZB-H1, interleaved 1F1B (2 per
-/// worker), ZB-V, DualPipeV, V-Half and V-Min.
+/// The schedules `choose` weighs by default: the built-ins (`builtin_schedules`) but those that
+/// say `default_candidate = false` (looped BFS), in the list's order: GPipe, 1F1B, ZB-H1,
+/// interleaved 1F1B (2 per worker), ZB-V, DualPipeV, V-Half and V-Min.
 inline std::vector<ScheduleCandidate> default_candidates() {
-  return {{any_schedule("gpipe", gpipe{}), 1},
-          {any_schedule("one_f_one_b", one_f_one_b{}), 1},
-          {any_schedule("zero_bubble_h1", zero_bubble_h1{}), 1},
-          {any_schedule("interleaved_one_f_one_b{2}", interleaved_one_f_one_b{2}), 2},
-          {any_schedule("zero_bubble_v", zero_bubble_v{}), 2},
-          {any_schedule("dualpipe_v", dualpipe_v{}), 2},
-          {any_schedule("v_half", v_half{}), 2},
-          {any_schedule("v_min", v_min{}), 2}};
+  std::vector<ScheduleCandidate> out;
+  for_each_schedule([&](const auto& s) {
+    if (default_candidate(s)) out.push_back(ScheduleCandidate::of(s));
+  });
+  return out;
 }
 
 /// How one candidate fared on the simulator's clock.

@@ -7,6 +7,7 @@
 #include <concepts>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace stagewise::schedule {
@@ -70,6 +71,75 @@ std::vector<int> placement_of(const S& s, int stages) {
     }
   }
   return out;
+}
+
+/// A schedule that names itself: `S::name`, an identifier (`"one_f_one_b"`) that `choose`'s
+/// report, `any_schedule(s)` and tools/schedule_svg print and look up, and optionally `S::title`,
+/// the name its paper gives it (`"1F1B"`, for pictures). Every built-in does; a schedule of your
+/// own may (docs/schedules.md, "A schedule of your own"). Also read where a schedule has them:
+/// `s.stages_per_worker()` (stages to cut per worker, default 1) and
+/// `s.min_micro_batches(workers)` (default 1).
+///   struct my_schedule { static constexpr std::string_view name = "my_schedule"; ... };
+///   static_assert(stagewise::schedule::named_schedule<my_schedule>);
+template <class S>
+concept named_schedule = pipeline_schedule<S> && requires {
+  { S::name } -> std::convertible_to<std::string_view>;
+};
+
+/// The name of schedule `s`: `S::name`, followed by the stages per worker in braces where the
+/// schedule takes them (`"interleaved_one_f_one_b{2}"`); a schedule with a `name()` (an
+/// any_schedule) gives that.
+///   stagewise::schedule::name_of(stagewise::schedule::looped_bfs{3})  // "looped_bfs{3}"
+template <pipeline_schedule S>
+requires named_schedule<S> || requires(const S& s) {
+  std::string(s.name());
+}
+std::string name_of(const S& s) {
+  if constexpr (named_schedule<S>) {
+    std::string out(S::name);
+    if constexpr (requires { s.virtual_stages; }) {
+      out += "{" + std::to_string(s.virtual_stages) + "}";
+    }
+    return out;
+  } else {
+    return std::string(s.name());
+  }
+}
+
+/// The name `s`'s paper gives it (`S::title`, e.g. "1F1B"), or `S::name` where it has none.
+template <named_schedule S>
+std::string title_of(const S&) {
+  if constexpr (requires { S::title; }) {
+    return std::string(std::string_view(S::title));
+  } else {
+    return std::string(std::string_view(S::name));
+  }
+}
+
+/// How many stages `s` runs on each worker, so how many to cut the model into per worker:
+/// `s.stages_per_worker()` where the schedule says (2 for the V-shaped ones, v for interleaved
+/// and looped BFS), else 1.
+template <pipeline_schedule S>
+int stages_per_worker_of(const S& s) {
+  if constexpr (requires { s.stages_per_worker(); }) {
+    return static_cast<int>(s.stages_per_worker());
+  } else {
+    (void)s;
+    return 1;
+  }
+}
+
+/// The fewest micro-batches `s` runs on `workers` workers: `s.min_micro_batches(workers)` where
+/// the schedule says (DualPipeV: 2 x workers), else 1.
+template <pipeline_schedule S>
+int min_micro_batches_of(const S& s, int workers) {
+  if constexpr (requires { s.min_micro_batches(workers); }) {
+    return static_cast<int>(s.min_micro_batches(workers));
+  } else {
+    (void)s;
+    (void)workers;
+    return 1;
+  }
 }
 
 namespace detail {

@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace stagewise::schedule {
@@ -22,6 +23,11 @@ namespace stagewise::schedule {
 ///   auto s = stagewise::schedule::from_csv("0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n");
 ///   pipe->train_step(x, y, loss_fn, s);  // 2 stages, 2 micro-batches
 struct csv_schedule {
+  /// Its name (`named_schedule`): `any_schedule(s)` calls it "csv".
+  static constexpr std::string_view name = "csv";
+  /// As pictures title it.
+  static constexpr std::string_view title = "CSV";
+
   int stages = 0;                          ///< 1 + the largest stage in the file
   int micro_batches = 0;                   ///< 1 + the largest micro-batch in the file
   std::vector<std::vector<Action>> ranks;  ///< per rank (row), in order
@@ -94,6 +100,65 @@ inline std::string csv_action(const std::string& s, std::vector<Action>& out) {
   return "";
 }
 
+
+// The text's lines, without '\r' (a last line without '\n' included, an empty one not).
+inline std::vector<std::string> csv_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::string line;
+  for (char c : text) {
+    if (c == '\n') {
+      lines.push_back(line);
+      line.clear();
+    } else if (c != '\r') {
+      line += c;
+    }
+  }
+  if (!line.empty()) lines.push_back(line);
+  return lines;
+}
+
+// Parses the cell in row r (from 0) and `column` (from 1), an action or an (a;b)OVERLAP_F_B
+// group, into `row`; fails naming the cell.
+inline void csv_cell(const std::string& cell, std::size_t r, std::size_t column,
+                     std::vector<Action>& row) {
+  auto fail = [&](const std::string& why) {
+    TORCH_CHECK(false, "stagewise::schedule::from_csv: row ", r + 1, " (rank ", r, "), column ",
+                column, ": '", cell, "' is not an action: ", why,
+                "; write <stage><F|I|B|W><micro-batch>, e.g. 0F1 for the forward of "
+                "micro-batch 1 on stage 0");
+  };
+  if (cell.front() != '(') {
+    if (const auto why = csv_action(cell, row); !why.empty()) fail(why);
+    return;
+  }
+  const auto close = cell.find(')');
+  if (close == std::string::npos || cell.substr(close + 1) != "OVERLAP_F_B") {
+    fail("a group of actions is written (a;b)OVERLAP_F_B");
+  }
+  std::size_t s = 1;
+  while (s < close) {
+    const std::size_t semi = std::min(cell.find(';', s), close);
+    const auto why = csv_action(csv_trim(cell.substr(s, semi - s)), row);
+    if (!why.empty()) fail(why);
+    s = semi + 1;
+  }
+}
+
+// Records that row r runs `a`'s stage (`rank_of`: per stage, its row or -1); fails when another
+// row already does.
+inline void csv_place(const Action& a, const std::string& cell, std::size_t r, std::size_t column,
+                      std::vector<int>& rank_of) {
+  if (a.stage >= static_cast<int>(rank_of.size())) {
+    rank_of.resize(static_cast<std::size_t>(a.stage) + 1, -1);
+  }
+  int& rank = rank_of[static_cast<std::size_t>(a.stage)];
+  TORCH_CHECK(rank == -1 || rank == static_cast<int>(r), "stagewise::schedule::from_csv: row ",
+              r + 1, " (rank ", r, "), column ", column, ": '", cell, "' runs stage ", a.stage,
+              ", whose actions are on rank ", rank, " (row ", rank + 1,
+              "); a stage lives on one rank, so put all its actions in one row");
+  rank = static_cast<int>(r);
+}
+
 }  // namespace detail
 
 /// Reads a schedule in the CSV format of PyTorch's torch.distributed.pipelining
@@ -108,19 +173,7 @@ inline std::string csv_action(const std::string& s, std::vector<Action>& out) {
 ///   stagewise::schedule::verify(s, s.stages, s.micro_batches);
 inline csv_schedule from_csv(const std::string& text) {
   csv_schedule out;
-  std::vector<std::string> lines;
-  {
-    std::string line;
-    for (char c : text) {
-      if (c == '\n') {
-        lines.push_back(line);
-        line.clear();
-      } else if (c != '\r') {
-        line += c;
-      }
-    }
-    if (!line.empty()) lines.push_back(line);
-  }
+  const std::vector<std::string> lines = detail::csv_lines(text);
   TORCH_CHECK(!lines.empty(),
               "stagewise::schedule::from_csv: the text has no rows; give one row "
               "of actions per rank, e.g. \"0F0,0B0\"");
@@ -135,41 +188,11 @@ inline csv_schedule from_csv(const std::string& text) {
       ++column;
       start = comma + 1;
       if (cell.empty()) continue;
-      auto fail = [&](const std::string& why) {
-        TORCH_CHECK(false, "stagewise::schedule::from_csv: row ", r + 1, " (rank ", r, "), column ",
-                    column, ": '", cell, "' is not an action: ", why,
-                    "; write <stage><F|I|B|W><micro-batch>, e.g. 0F1 for the forward of "
-                    "micro-batch 1 on stage 0");
-      };
       const std::size_t before = row.size();
-      if (cell.front() == '(') {
-        const auto close = cell.find(')');
-        if (close == std::string::npos || cell.substr(close + 1) != "OVERLAP_F_B") {
-          fail("a group of actions is written (a;b)OVERLAP_F_B");
-        }
-        std::size_t s = 1;
-        while (s < close) {
-          const std::size_t semi = std::min(cell.find(';', s), close);
-          const auto why = detail::csv_action(detail::csv_trim(cell.substr(s, semi - s)), row);
-          if (!why.empty()) fail(why);
-          s = semi + 1;
-        }
-      } else if (const auto why = detail::csv_action(cell, row); !why.empty()) {
-        fail(why);
-      }
+      detail::csv_cell(cell, r, column, row);
       for (std::size_t k = before; k < row.size(); ++k) {
-        const Action& a = row[k];
-        if (a.stage >= static_cast<int>(rank_of.size())) {
-          rank_of.resize(static_cast<std::size_t>(a.stage) + 1, -1);
-        }
-        int& rank = rank_of[static_cast<std::size_t>(a.stage)];
-        TORCH_CHECK(rank == -1 || rank == static_cast<int>(r),
-                    "stagewise::schedule::from_csv: row ", r + 1, " (rank ", r, "), column ",
-                    column, ": '", cell, "' runs stage ", a.stage, ", whose actions are on rank ",
-                    rank, " (row ", rank + 1,
-                    "); a stage lives on one rank, so put all its actions in one row");
-        rank = static_cast<int>(r);
-        out.micro_batches = std::max(out.micro_batches, a.micro + 1);
+        detail::csv_place(row[k], cell, r, column, rank_of);
+        out.micro_batches = std::max(out.micro_batches, row[k].micro + 1);
       }
     }
     out.ranks.push_back(std::move(row));

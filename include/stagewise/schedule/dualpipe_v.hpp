@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <deque>
+#include <string_view>
 
 namespace stagewise::schedule {
 
@@ -19,19 +20,27 @@ namespace stagewise::schedule {
 /// the drain. Needs M >= 2K micro-batches.
 ///   pipe8->train_step(x, y, loss_fn, stagewise::schedule::dualpipe_v{});  // 8 stages, 4 workers
 struct dualpipe_v {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "dualpipe_v";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "DualPipeV";
+  /// Stages per worker: 2.
+  static constexpr int stages_per_worker() { return 2; }
+  /// The fewest micro-batches it runs on `workers` workers: 2 x workers.
+  static constexpr int min_micro_batches(int workers) { return 2 * workers; }
+
   /// Number of workers for `stages` stages: stages / 2.
-  int workers(int stages) const {
-    return detail::v_workers(stages, "stagewise::schedule::dualpipe_v", "DualPipeV");
-  }
+  int workers(int stages) const { return detail::v_workers(stages, name, title); }
   /// Worker w runs stages w and 2K-1-w.
   int worker_of(int stage, int stages) const { return detail::v_worker_of(stage, workers(stages)); }
 
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     const int k = workers(stages);
     const int m = micro_batches;
-    TORCH_CHECK(m >= 2 * k, "stagewise::schedule::dualpipe_v: ", m, " micro-batches for ", k,
-                " workers; DualPipeV needs at least 2 x workers = ", 2 * k,
-                " micro-batches (PipeOptions().chunks(", 2 * k,
+    TORCH_CHECK(m >= min_micro_batches(k), "stagewise::schedule::dualpipe_v: ", m,
+                " micro-batches for ", k,
+                " workers; DualPipeV needs at least 2 x workers = ", min_micro_batches(k),
+                " micro-batches (PipeOptions().chunks(", min_micro_batches(k),
                 ") or more), or use zero_bubble_v, which takes any number");
     for (int r = 0; r < k; ++r) {
       const int stage[2] = {r, 2 * k - 1 - r};

@@ -4,6 +4,8 @@
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/clock.hpp"
 
+#include <string_view>
+
 namespace stagewise::schedule {
 
 /// GPipe's fill-drain schedule: every stage runs the forwards of all micro-batches, then their
@@ -11,6 +13,13 @@ namespace stagewise::schedule {
 /// cycles mirrored), which is also the order each stage performs them.
 ///   pipe->train_step(x, y, loss_fn, stagewise::schedule::gpipe{});
 struct gpipe {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "gpipe";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "GPipe";
+  /// Stages per worker: 1.
+  static constexpr int stages_per_worker() { return 1; }
+
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     for (const auto& cycle : clock_cycles(micro_batches, stages)) {
       for (const auto& c : cycle) co_yield Action{c.stage, ActionKind::forward, c.micro};

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -20,8 +21,14 @@ namespace stagewise::schedule {
 ///   auto pipe = sw::Pipe(seq, sw::even_balance(seq->size(), 8), ...);  // 8 stages
 ///   pipe->train_step(x, y, loss_fn, sw::schedule::interleaved_one_f_one_b{2});  // on 4 workers
 struct interleaved_one_f_one_b {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "interleaved_one_f_one_b";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "interleaved 1F1B";
   /// Stages per worker (v >= 1; v = 1 is plain 1F1B).
   int virtual_stages = 2;
+  /// Stages per worker: `virtual_stages`.
+  int stages_per_worker() const { return virtual_stages; }
 
   /// Number of workers for `stages` stages: stages / v.
   int workers(int stages) const {

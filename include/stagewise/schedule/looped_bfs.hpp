@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string_view>
 
 namespace stagewise::schedule {
 
@@ -17,8 +18,17 @@ namespace stagewise::schedule {
 /// memory: every stage holds all M micro-batches until its backward.
 ///   pipe8->train_step(x, y, loss_fn, stagewise::schedule::looped_bfs{2});  // 8 stages, 4 workers
 struct looped_bfs {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "looped_bfs";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "looped BFS";
+  /// Not among `choose`'s default candidates: interleaved 1F1B has its idle time with less
+  /// memory.
+  static constexpr bool default_candidate = false;
   /// Stages per worker (v >= 1; v = 1 is GPipe).
   int virtual_stages = 2;
+  /// Stages per worker: `virtual_stages`.
+  int stages_per_worker() const { return virtual_stages; }
 
   /// Number of workers for `stages` stages: stages / v.
   int workers(int stages) const {

@@ -2,6 +2,8 @@
 
 #include "stagewise/schedule/detail/capped_v.hpp"
 
+#include <string_view>
+
 namespace stagewise::schedule {
 
 /// V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362): 2K
@@ -13,8 +15,10 @@ namespace stagewise::schedule {
 ///   pipe8->train_step(x, y, loss_fn, stagewise::schedule::v_half{});  // 8 stages, 4 workers
 ///   stagewise::schedule::v_half{}.peak_cells(8);  // 6: 3 micro-batches, 1F1B holds 4
 struct v_half : detail::capped_v<v_half> {
-  static constexpr const char* name = "stagewise::schedule::v_half";
-  static constexpr const char* paper = "V-Half";
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "v_half";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "V-Half";
   /// Cells per worker on `workers` workers: 2 x floor((K+2)/2).
   static int cells(int workers) { return 2 * ((workers + 2) / 2); }
 };

@@ -2,6 +2,8 @@
 
 #include "stagewise/schedule/detail/capped_v.hpp"
 
+#include <string_view>
+
 namespace stagewise::schedule {
 
 /// V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362): 2K
@@ -14,8 +16,10 @@ namespace stagewise::schedule {
 ///   pipe8->train_step(x, y, loss_fn, stagewise::schedule::v_min{});  // 8 stages, 4 workers
 ///   stagewise::schedule::v_min{}.peak_cells(8);  // 4: 2 micro-batches, 1F1B holds 4
 struct v_min : detail::capped_v<v_min> {
-  static constexpr const char* name = "stagewise::schedule::v_min";
-  static constexpr const char* paper = "V-Min";
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "v_min";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "V-Min";
   /// Cells per worker on `workers` workers: 2 x floor((K+4)/3).
   static int cells(int workers) { return 2 * ((workers + 4) / 3); }
 };

@@ -4,6 +4,7 @@
 #include "stagewise/schedule/action.hpp"
 
 #include <algorithm>
+#include <string_view>
 
 namespace stagewise::schedule {
 
@@ -15,6 +16,13 @@ namespace stagewise::schedule {
 /// three are equal (needs M >= K), and no stage holds more than K micro-batches, 1F1B's peak.
 ///   pipe->train_step(x, y, loss_fn, stagewise::schedule::zero_bubble_h1{});
 struct zero_bubble_h1 {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "zero_bubble_h1";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "ZB-H1";
+  /// Stages per worker: 1.
+  static constexpr int stages_per_worker() { return 1; }
+
   coro::generator<Action> operator()(int stages, int micro_batches) const {
     for (int s = 0; s < stages; ++s) {
       const int warmup = std::min(stages - 1 - s, micro_batches);

@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <string_view>
+
 namespace stagewise::schedule {
 
 /// ZB-V (Qi et al., arXiv 2401.10241, section 6): the model is cut into 2K stages placed in a V
@@ -19,10 +21,15 @@ namespace stagewise::schedule {
 ///   auto pipe8 = sw::Pipe(seq, sw::even_balance(seq->size(), 8), sw::PipeOptions().chunks(8));
 ///   pipe8->train_step(x, y, loss_fn, stagewise::schedule::zero_bubble_v{});  // on 4 workers
 struct zero_bubble_v {
+  /// Its name (`named_schedule`): in `choose`'s report, `any_schedule(s)`, tools.
+  static constexpr std::string_view name = "zero_bubble_v";
+  /// The name its paper gives it.
+  static constexpr std::string_view title = "ZB-V";
+  /// Stages per worker: 2.
+  static constexpr int stages_per_worker() { return 2; }
+
   /// Number of workers for `stages` stages: stages / 2.
-  int workers(int stages) const {
-    return detail::v_workers(stages, "stagewise::schedule::zero_bubble_v", "ZB-V");
-  }
+  int workers(int stages) const { return detail::v_workers(stages, name, title); }
   /// Worker w runs stages w and 2K-1-w.
   int worker_of(int stage, int stages) const { return detail::v_worker_of(stage, workers(stages)); }
 

@@ -5,13 +5,15 @@
 
 #include <c10/util/Exception.h>
 
+#include <string_view>
+
 namespace stagewise::schedule::detail {
 
-/// The number of workers for `stages` stages in a V: stages / 2. `who` is the schedule's full
-/// name, `paper_name` how its error names it ("ZB-V").
-inline int v_workers(int stages, const char* who, const char* paper_name) {
-  TORCH_CHECK(stages >= 2 && stages % 2 == 0, who, ": ", stages, " stages do not make a V; ",
-              paper_name,
+/// The number of workers for `stages` stages in a V: stages / 2. `name` is the schedule's name
+/// ("zero_bubble_v"), `title` its paper's ("ZB-V"), for the error.
+inline int v_workers(int stages, std::string_view name, std::string_view title) {
+  TORCH_CHECK(stages >= 2 && stages % 2 == 0, "stagewise::schedule::", name, ": ", stages,
+              " stages do not make a V; ", title,
               " places 2 stages on each worker, give the pipe an even number of stages (e.g. "
               "sw::even_balance(n, 2 * workers))");
   return stages / 2;
