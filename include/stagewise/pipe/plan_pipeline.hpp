@@ -119,15 +119,6 @@ inline std::vector<schedule::StageState> stage_states(const std::vector<StageCos
   return out;
 }
 
-inline std::string describe_choices(const std::vector<PlanChoice>& choices) {
-  std::string out;
-  for (std::size_t j = 0; j < choices.size(); ++j) {
-    out += (j ? " | " : "") + std::string(to_string(choices[j].mode));
-    if (choices[j].offload) out += "+offload";
-  }
-  return out;
-}
-
 inline std::string mib(double bytes) {
   std::ostringstream s;
   s.precision(4);
@@ -192,17 +183,20 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
   if (!options.fused_step() || *options.fused_step()) fused_choices.push_back(true);
 
   struct Found {
-    detail::Weighed weighed;
+    schedule::detail::MemoryCandidate weighed;
     PlanCandidate candidate;
     const schedule::ScheduleCandidate* sched;
     int m;
     std::string split_by;
     balance split;
     bool fused;
-    std::vector<schedule::StageState> state;
+    schedule::OffloadCosts copies;
   };
   std::vector<Found> found;
-  std::vector<std::string> skipped;
+  std::vector<std::string> skipped;  // why a schedule was not weighed (once each)
+  auto skip = [&](const std::string& why) {
+    if (std::find(skipped.begin(), skipped.end(), why) == skipped.end()) skipped.push_back(why);
+  };
   for (int m : detail::micro_batch_counts(options, rows)) {
     const Batch sample = detail::first_rows(batch, rows / m);
     const auto times = profile_times(model, sample, profiling);
@@ -213,7 +207,7 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
     for (const auto& sc : schedules) {
       const int n = k * sc.stages_per_worker;
       if (n > static_cast<int>(model->size())) {
-        skipped.push_back(sc.schedule.name() + ": needs " + std::to_string(n) +
+        skip(sc.schedule.name() + ": needs " + std::to_string(n) +
                           " stages, the model has " + std::to_string(model->size()) + " layers");
         continue;
       }
@@ -240,11 +234,11 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
           in.store_speed = options.store_speed();
           in.cap = cap;
           schedule::PlanCache plans;
-          detail::Weighed w;
+          schedule::detail::MemoryCandidate w;
           try {
             w = detail::search_choices(in, for_memory, plans);
           } catch (const std::exception& e) {
-            skipped.push_back(sc.schedule.name() + " with " + std::to_string(m) +
+            skip(sc.schedule.name() + " with " + std::to_string(m) +
                               " micro-batches: cannot run (" + ::stagewise::detail::message_of(e) + ")");
             continue;
           }
@@ -252,13 +246,14 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
           std::ostringstream d;
           d << sc.schedule.name() << ", " << m << " micro-batches, split by " << by << " {";
           for (std::size_t j = 0; j < split.size(); ++j) d << (j ? "," : "") << split[j];
-          d << "}, " << detail::describe_choices(w.choices) << ", " << (fused ? "fused" : "unfused") << " step";
+          d << "}, " << schedule::detail::describe(w.choices) << ", " << (fused ? "fused" : "unfused") << " step";
           cand.description = d.str();
-          cand.step_seconds = w.seconds;
+          cand.step_seconds = w.weight.time;
           cand.peak = w.peak;
           cand.fits = w.peak <= cap;
           if (!cand.fits) cand.why_not = "peak " + detail::mib(w.peak) + " over the cap of " + detail::mib(cap);
-          found.push_back({std::move(w), cand, &sc, m, by, split, fused, in.state});
+          found.push_back({std::move(w), cand, &sc, m, by, split, fused,
+                           detail::offload_costs_for(in)});
         }
       }
     }
@@ -268,7 +263,7 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
               "; give fewer workers or a model with more layers");
   std::stable_sort(found.begin(), found.end(), [&](const Found& a, const Found& b) {
     if (for_memory && a.weighed.peak != b.weighed.peak) return a.weighed.peak < b.weighed.peak;
-    return a.weighed.seconds < b.weighed.seconds;
+    return a.weighed.weight.time < b.weighed.weight.time;
   });
   const Found* chosen = nullptr;
   double smallest = std::numeric_limits<double>::infinity();
@@ -295,11 +290,12 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
     plan.offload_stages.push_back(c.offload && chosen->weighed.moves);
   }
   if (chosen->weighed.moves) plan.store = options.store();
+  plan.offload_costs = chosen->copies;
   plan.fused_step = chosen->fused;
   plan.optimizer = options.optimizer_name();
   plan.cap = options.memory_per_worker();
-  plan.step_seconds = chosen->weighed.seconds;
-  plan.memory = chosen->weighed.memory;
+  plan.step_seconds = chosen->weighed.weight.time;
+  plan.memory = chosen->weighed.weight.memory;
   for (const auto& f : found) plan.candidates.push_back(f.candidate);
   for (const auto& s : skipped) plan.candidates.push_back({s, 0, 0, false, "not weighed"});
   return plan;

@@ -2,13 +2,13 @@
 
 // plan_pipeline's search for one (schedule, micro-batch count, split, fused or not): each stage's
 // checkpoint mode and offload choice, the fastest (or smallest) whose predicted peak fits the cap
-// on every worker, on profiled costs (stage/stage_costs.hpp), the simulator's clock and
-// schedule::worker_memory. The ladder is schedule::plan_memory's: every stage starts at never;
-// the stages of a worker over the cap move to their next choice (never, except_last, except_last
-// + offload, always, always + offload); the same choice on every stage is weighed too.
+// on every worker, by the search schedule::plan_memory runs (schedule/detail/memory_planner.hpp),
+// weighing plans on profiled costs (stage/stage_costs.hpp), the simulator's clock and
+// schedule::worker_memory.
 
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
+#include "stagewise/schedule/detail/memory_planner.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/plan_cache.hpp"
@@ -25,21 +25,6 @@
 #include <vector>
 
 namespace stagewise::detail {
-
-struct PlanChoice {
-  Checkpoint mode = Checkpoint::never;
-  bool offload = false;
-  friend bool operator==(const PlanChoice&, const PlanChoice&) = default;
-};
-
-// What one setting of the stages' choices gives.
-struct Weighed {
-  std::vector<PlanChoice> choices;
-  std::vector<schedule::WorkerMemory> memory;
-  double peak = 0;
-  double seconds = 0;
-  bool moves = false;  // offloads something
-};
 
 // The fixed part of one search: the schedule's plan inputs, the stages' costs and state.
 struct SearchInput {
@@ -101,114 +86,39 @@ inline std::vector<schedule::CellBytes> cells_of(const schedule::Plan& plan,
   return out;
 }
 
-inline Weighed weigh(const SearchInput& in, std::vector<PlanChoice> choices,
-                     schedule::PlanCache& plans) {
-  std::vector<int> stops;
-  schedule::OffloadCosts copies;
-  copies.round_trips = 3.0;
-  bool moves = false;
-  const auto& costs = *in.costs;
+// The offload pass's costs on a clock where a forward takes 1: a copy of a cell's inputs takes
+// its bytes over the store's speed, against the stages' mean forward.
+inline schedule::OffloadCosts offload_costs_for(const SearchInput& in) {
   double forward = 0, copy = 0;
-  for (int j = 0; j < in.stages; ++j) {
-    const auto& c = choices[static_cast<std::size_t>(j)];
-    stops.push_back(static_cast<int>(checkpoint_stop(c.mode, in.micro_batches, true)));
-    copies.stages.push_back(c.offload);
-    moves = moves || (c.offload && stops.back() > 0);
-    forward += costs[static_cast<std::size_t>(j)].forward;
-    copy += costs[static_cast<std::size_t>(j)].input_bytes / in.store_speed;
+  for (const auto& c : *in.costs) {
+    forward += c.forward;
+    copy += c.input_bytes / in.store_speed;
   }
-  // The offload pass weighs gaps on a clock where a forward takes 1.
+  schedule::OffloadCosts copies;
   copies.costs.offload = forward > 0 ? copy / forward : 0.0;
-  const auto plan = plans.get(*in.sched, in.stages, in.micro_batches, stops, moves ? &copies : nullptr);
-  Weighed w{std::move(choices), {}, 0.0, 0.0, moves};
-  w.memory = schedule::worker_memory(*plan, cells_of(*plan, costs), in.state, in.fused);
-  for (const auto& m : w.memory) w.peak = std::max(w.peak, m.peak);
-  w.seconds = step_seconds(*plan, in);
-  return w;
+  return copies;
 }
 
-inline std::vector<std::vector<PlanChoice>> ladders(int stages, bool may_offload) {
-  std::vector<std::vector<PlanChoice>> out(static_cast<std::size_t>(stages));
-  for (int j = 0; j < stages; ++j) {
-    const bool off = may_offload && j > 0;  // the caller's batch holds stage 0's inputs anyway
-    auto& l = out[static_cast<std::size_t>(j)];
-    l.push_back({Checkpoint::never, false});
-    l.push_back({Checkpoint::except_last, false});
-    if (off) l.push_back({Checkpoint::except_last, true});
-    l.push_back({Checkpoint::always, false});
-    if (off) l.push_back({Checkpoint::always, true});
-  }
-  return out;
-}
-
-// The best setting of the stages' choices for `in`: the fastest that fits (or, `for_memory`, the
-// smallest that fits); when none fits, the smallest.
-inline Weighed search_choices(const SearchInput& in, bool for_memory, schedule::PlanCache& plans) {
-  const auto ladder = ladders(in.stages, in.may_offload);
-  std::optional<Weighed> best, smallest;
-  auto better = [&](const Weighed& a, const Weighed& b) {
-    if (for_memory && a.peak != b.peak) return a.peak < b.peak;
-    if (a.seconds != b.seconds) return a.seconds < b.seconds;
-    return !a.moves && b.moves;
-  };
-  auto offer = [&](Weighed w) {
-    if (!smallest || w.peak < smallest->peak) smallest = w;
-    if (w.peak <= in.cap && (!best || better(w, *best))) best = std::move(w);
-  };
-  std::set<std::vector<int>> tried;
-  auto key = [&](const std::vector<std::size_t>& level) {
-    return std::vector<int>(level.begin(), level.end());
-  };
-  std::vector<std::size_t> level(static_cast<std::size_t>(in.stages), 0);
-  for (;;) {
-    std::vector<PlanChoice> choices;
-    for (int j = 0; j < in.stages; ++j) {
-      choices.push_back(ladder[static_cast<std::size_t>(j)][level[static_cast<std::size_t>(j)]]);
-    }
-    tried.insert(key(level));
-    Weighed w = weigh(in, std::move(choices), plans);
-    bool raised = false;
-    const auto& plan = *plans.get(*in.sched, in.stages, in.micro_batches,
-                                  std::vector<int>(static_cast<std::size_t>(in.stages), 0));
-    for (int wk = 0; wk < plan.workers; ++wk) {
-      if (w.memory[static_cast<std::size_t>(wk)].peak <= in.cap) continue;
-      for (int j : plan.stages_of(wk)) {
-        auto& at = level[static_cast<std::size_t>(j)];
-        if (at + 1 < ladder[static_cast<std::size_t>(j)].size()) {
-          ++at;
-          raised = true;
-        }
-      }
-    }
-    const bool fits = w.peak <= in.cap;
-    offer(std::move(w));
-    if ((fits && !for_memory) || !raised) break;
-  }
-  // The same choice on every stage (a stage without the offload rungs, stage 0 or without a
-  // store, takes the same mode without offload).
-  for (const PlanChoice want : {PlanChoice{Checkpoint::never, false},
-                                PlanChoice{Checkpoint::except_last, false},
-                                PlanChoice{Checkpoint::except_last, true},
-                                PlanChoice{Checkpoint::always, false},
-                                PlanChoice{Checkpoint::always, true}}) {
-    if (want.offload && !in.may_offload) continue;
-    std::vector<std::size_t> uniform;
-    for (int j = 0; j < in.stages; ++j) {
-      const auto& l = ladder[static_cast<std::size_t>(j)];
-      std::size_t at = 0;
-      for (std::size_t r = 0; r < l.size(); ++r) {
-        if (l[r] == want || (l[r].mode == want.mode && !l[r].offload && at == 0)) at = r;
-      }
-      uniform.push_back(at);
-    }
-    if (!tried.insert(key(uniform)).second) continue;
-    std::vector<PlanChoice> choices;
-    for (int j = 0; j < in.stages; ++j) {
-      choices.push_back(ladder[static_cast<std::size_t>(j)][uniform[static_cast<std::size_t>(j)]]);
-    }
-    offer(weigh(in, std::move(choices), plans));
-  }
-  return best ? *best : *smallest;
+// The best setting of the stages' choices for `in` (schedule::detail::MemoryPlanner, weighing
+// each plan with worker_memory and the profiled clock): the fastest that fits (or, `for_memory`,
+// the smallest that fits); when none fits, the smallest.
+inline schedule::detail::MemoryCandidate search_choices(const SearchInput& in, bool for_memory,
+                                                        schedule::PlanCache& plans) {
+  const auto copies = offload_costs_for(in);
+  const auto allowed = schedule::detail::offload_allowed(in.stages, in.may_offload, copies);
+  schedule::detail::MemoryPlanner planner(
+      *in.sched, in.micro_batches, in.stages, in.cap, copies,
+      [&](const schedule::Plan& plan) {
+        schedule::detail::PlanWeight w;
+        w.memory = schedule::worker_memory(plan, cells_of(plan, *in.costs), in.state, in.fused);
+        for (const auto& m : w.memory) w.peaks.push_back(m.peak);
+        w.time = step_seconds(plan, in);
+        return w;
+      },
+      for_memory, &plans);
+  planner.raise_per_stage(schedule::detail::choice_ladder(allowed));
+  planner.try_uniform(allowed);
+  return planner.best() ? *planner.best() : *planner.smallest();
 }
 
 }  // namespace stagewise::detail

@@ -1,0 +1,142 @@
+// plan_pipeline's promise, measured: for an MLP, the GPT example's transformer and a model with a
+// skip across stages, under several caps, the planned pipe's measured peak on every worker is
+// within its cap, and the plan's predicted peak is within 10% of it. A worker's measured peak is
+// its stages' parameters, the optimizer's state when the unfused optimizer made it (on the
+// caller's thread), and the most its thread held at once in a step after two warm-up steps
+// (MemoryMeter: an allocation is charged to the thread that made it, whichever frees it).
+#include <stagewise/stagewise.hpp>
+
+#include <torch/torch.h>
+
+#include "examples/gpt/model.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace sw = stagewise;
+
+namespace {
+
+using Loss = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>;
+
+// The smallest cap any candidate of `options` fits, from plan_pipeline's refusal of a cap of 1.
+std::int64_t smallest_cap(const torch::nn::Sequential& model, const sw::Batch& x,
+                          sw::PlanOptions options) {
+  std::string e;
+  try {
+    (void)sw::plan_pipeline(model, x, options.memory_per_worker(1));
+  } catch (const c10::Error& err) {
+    e = err.what_without_backtrace();
+  }
+  const std::string key = "the smallest cap any candidate fits is ";
+  REQUIRE(e.find(key) != std::string::npos);
+  return std::stoll(e.substr(e.find(key) + key.size()));
+}
+
+// Each worker's measured peak in the third step of `model` trained as `plan` says.
+std::vector<double> measured_peaks(const torch::nn::Sequential& model, const sw::PipelinePlan& plan,
+                                   const sw::Batch& x, const sw::Batch& y, const Loss& loss) {
+  auto& meter = sw::MemoryMeter::install();
+  auto pipe = sw::Pipe(model, plan);
+  std::unique_ptr<sw::optim::FusedStep> fused;
+  std::unique_ptr<torch::optim::Adam> adam;
+  if (plan.fused_step) {
+    fused = std::make_unique<sw::optim::FusedStep>(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  } else {
+    adam = std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  }
+  const int n = static_cast<int>(plan.split.size());
+  for (int step = 0; step < 3; ++step) {
+    if (step == 2) meter.reset_peak();
+    if (fused) {
+      pipe->train_step(x, y, loss, *fused);
+    } else {
+      pipe->train_step(x, y, loss);
+      adam->step();
+      pipe->zero_grad(/*set_to_none=*/true);
+    }
+  }
+  std::vector<double> peaks;
+  for (int w = 0; w < plan.workers; ++w) {
+    double held = 0;
+    int first = -1;
+    for (int j = 0; j < n; ++j) {
+      if (plan.schedule.worker_of(j, n) != w) continue;
+      if (first < 0) first = j;
+      for (const auto& p : pipe->named_parameters()) {
+        if (p.key().rfind("stage" + std::to_string(j) + ".", 0) != 0) continue;
+        held += static_cast<double>(p.value().nbytes());
+        if (!adam) continue;
+        const auto& state = adam->state().at(sw::detail::optimizer_state_key(p.value()));
+        const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+        held += static_cast<double>(s.exp_avg().nbytes() + s.exp_avg_sq().nbytes());
+      }
+    }
+    peaks.push_back(held + static_cast<double>(meter.peak_of(pipe->stage_thread(first))));
+  }
+  return peaks;
+}
+
+// Plans `model` for caps just above the smallest, 1.5 times it and 4 times it, trains each plan
+// and checks its promise on every worker.
+void check_promise(const std::string& name, const torch::nn::Sequential& model, const sw::Batch& x,
+                   const sw::Batch& y, const Loss& loss, sw::PlanOptions options) {
+  CAPTURE(name);
+  const auto smallest = smallest_cap(model, x, options);
+  for (double scale : {1.02, 1.5, 4.0}) {
+    const auto cap = static_cast<std::int64_t>(scale * static_cast<double>(smallest));
+    const auto plan = sw::plan_pipeline(model, x, sw::PlanOptions(options).memory_per_worker(cap));
+    const std::string report = plan.report();
+    CAPTURE(report.substr(0, report.find("candidates")));
+    const auto measured = measured_peaks(model, plan, x, y, loss);
+    for (int w = 0; w < plan.workers; ++w) {
+      CAPTURE(w);
+      const double got = measured[static_cast<std::size_t>(w)];
+      const double want = plan.memory[static_cast<std::size_t>(w)].peak;
+      CHECK(got <= static_cast<double>(cap));
+      CHECK(std::abs(want - got) <= 0.1 * got);
+    }
+  }
+}
+
+torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }
+
+}  // namespace
+
+TEST_SUITE("plan_pipeline's promise, measured") {
+  TEST_CASE("an MLP whose activations dominate, on 2 workers") {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    torch::nn::Sequential model;
+    for (int i = 0; i < 6; ++i) {
+      model->push_back(torch::nn::Linear(64, 256));
+      model->push_back(torch::nn::Tanh());
+      model->push_back(torch::nn::Linear(256, 64));
+    }
+    const auto x = torch::randn({128, 64}), y = torch::randn({128, 64});
+    check_promise("mlp", model, sw::Batch(x), sw::Batch(y), mse,
+                  sw::PlanOptions().workers(2).rounds(1).micro_batches({2, 4, 8})
+                      .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1", "v_half"}));
+  }
+
+  TEST_CASE("the GPT example's transformer, on 2 workers") {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    gpt::Config c;
+    c.dim = 32;
+    c.heads = 2;
+    c.layers = 3;
+    c.context = 64;
+    auto model = gpt::make_model(c);
+    const auto ids = torch::randint(1, 256, {8, c.context}, torch::kLong);
+    const auto next = torch::randint(0, 256, {8, c.context}, torch::kLong);
+    check_promise("gpt", model, sw::Batch(ids), sw::Batch(next), gpt::lm_loss,
+                  sw::PlanOptions().workers(2).rounds(1).micro_batches({2, 4})
+                      .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1"}));
+  }
+}
