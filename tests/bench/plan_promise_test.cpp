@@ -26,10 +26,10 @@ using Loss = std::function<torch::Tensor(const torch::Tensor&, const torch::Tens
 
 // The smallest cap any candidate of `options` fits, from plan_pipeline's refusal of a cap of 1.
 std::int64_t smallest_cap(const torch::nn::Sequential& model, const sw::Batch& x,
-                          sw::PlanOptions options) {
+                          const sw::Batch& y, const Loss& loss, sw::PlanOptions options) {
   std::string e;
   try {
-    (void)sw::plan_pipeline(model, x, options.memory_per_worker(1));
+    (void)sw::plan_pipeline(model, x, y.tensor(), loss, options.memory_per_worker(1));
   } catch (const c10::Error& err) {
     e = err.what_without_backtrace();
   }
@@ -87,10 +87,11 @@ std::vector<double> measured_peaks(const torch::nn::Sequential& model, const sw:
 void check_promise(const std::string& name, const torch::nn::Sequential& model, const sw::Batch& x,
                    const sw::Batch& y, const Loss& loss, sw::PlanOptions options) {
   CAPTURE(name);
-  const auto smallest = smallest_cap(model, x, options);
+  const auto smallest = smallest_cap(model, x, y, loss, options);
   for (double scale : {1.02, 1.5, 4.0}) {
     const auto cap = static_cast<std::int64_t>(scale * static_cast<double>(smallest));
-    const auto plan = sw::plan_pipeline(model, x, sw::PlanOptions(options).memory_per_worker(cap));
+    const auto plan = sw::plan_pipeline(model, x, y.tensor(), loss,
+                                        sw::PlanOptions(options).memory_per_worker(cap));
     const std::string report = plan.report();
     CAPTURE(report.substr(0, report.find("candidates")));
     const auto measured = measured_peaks(model, plan, x, y, loss);

@@ -130,6 +130,17 @@ class PipeOverImpl : public detail::PlacedStages {
     return train_step(Batch(input), Batch(target), std::move(loss_fn), sched, timeline);
   }
 
+  /// train_step of the pipe's schedule (`PipeOptions().schedule(...)`, GPipe's by default),
+  /// recording every action into `timeline`.
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           schedule::Timeline* timeline) {
+    return run_step(input, target, std::move(loss_fn), resolved_.schedule, nullptr, timeline);
+  }
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           runtime::loss_fn_t loss_fn, schedule::Timeline* timeline) {
+    return train_step(Batch(input), Batch(target), std::move(loss_fn), timeline);
+  }
+
   /// train_step with the optimizer step fused into backward (e.g. `optim::FusedStep` over this
   /// pipe's, or this rank's, parameters): each parameter steps as soon as its stage's last
   /// micro-batch has been back-propagated, while the earlier stages are still in backward, and its

@@ -4,6 +4,7 @@
 #include "stagewise/pipe/detail/plan_search.hpp"
 #include "stagewise/pipe/plan_options.hpp"
 #include "stagewise/pipe/pipeline_plan.hpp"
+#include "stagewise/runtime/cell_runs.hpp"
 #include "stagewise/schedule/choose.hpp"
 #include "stagewise/stage/block_partition.hpp"
 #include "stagewise/stage/profile.hpp"
@@ -149,7 +150,7 @@ inline std::vector<std::pair<std::string, balance>> splits_of(const std::vector<
 }  // namespace detail
 
 /// The fastest pipeline for `model` on `batch` (one mini-batch: a tensor or a tuple, rows along
-/// dimension 0) that fits `options.memory_per_worker()` bytes on each of `options.workers()`
+/// dimension 0), trained on `target` with `loss_fn` as `train_step` is, that fits `options.memory_per_worker()` bytes on each of `options.workers()`
 /// workers, counting everything a worker holds: its stages' parameters, their gradients, the
 /// optimizer's state, the activations its cells keep across the schedule, and its largest
 /// action's working memory. It weighs every micro-batch count (the divisors of the batch's rows),
@@ -160,11 +161,12 @@ inline std::vector<std::pair<std::string, balance>> splits_of(const std::vector<
 /// copies of the model (`profile_stages`). Returns the fastest that fits (or, with
 /// `prefer(PlanFor::memory)`, the smallest), with `report()`. When nothing fits, the error names
 /// the smallest cap that would, and what else would help. The model is left as it was.
-///   auto plan = sw::plan_pipeline(model, sw::Batch(x),
+///   auto plan = sw::plan_pipeline(model, x, y, loss_fn,
 ///                                 sw::PlanOptions().workers(4).memory_per_worker(6LL << 30));
 ///   auto pipe = sw::Pipe(model, plan);
 ///   pipe->train_step(x, y, loss_fn);           // the planned schedule
 inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batch& batch,
+                                  const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
                                   const PlanOptions& options) {
   const char* who = "stagewise::plan_pipeline";
   TORCH_CHECK(options.memory_per_worker() > 0, who,
@@ -213,7 +215,11 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
       }
       if (!splits.count(n)) splits[n] = detail::splits_of(times, sizes, n);
       for (const auto& [by, split] : splits[n]) {
-        if (!costs.count(split)) costs[split] = profile_stages(model, split, sample, profiling);
+        if (!costs.count(split)) {
+          StageLoss loss;
+          if (loss_fn && target.defined()) loss = {loss_fn, target.narrow(0, 0, rows / m)};
+          costs[split] = profile_stages(model, split, sample, profiling, loss);
+        }
         const auto& c = costs[split];
         for (bool fused : fused_choices) {
           detail::SearchInput in;
@@ -299,6 +305,14 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
   for (const auto& f : found) plan.candidates.push_back(f.candidate);
   for (const auto& s : skipped) plan.candidates.push_back({s, 0, 0, false, "not weighed"});
   return plan;
+}
+
+/// plan_pipeline without the loss: the last stage is profiled back-propagating gradients of ones
+/// from its output, so what the loss keeps and makes (e.g. a cross entropy's log-probabilities,
+/// the size of the output) is not counted; give the target and the loss to count it.
+inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batch& batch,
+                                  const PlanOptions& options) {
+  return plan_pipeline(model, batch, torch::Tensor(), nullptr, options);
 }
 
 }  // namespace stagewise

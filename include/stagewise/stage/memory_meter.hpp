@@ -36,7 +36,9 @@ class MemoryMeter final : public c10::Allocator {
     static MemoryMeter* meter = [] {
       auto* m = new MemoryMeter(c10::GetCPUAllocator());  // outlives every tensor
       self() = m;
-      c10::SetCPUAllocator(m, /*priority=*/100);
+      // The highest priority: a lower one loses to an allocator set before (profiling's
+      // counting one sets 255 while it counts, and puts the one before it back).
+      c10::SetCPUAllocator(m, /*priority=*/255);
       return m;
     }();
     return *meter;

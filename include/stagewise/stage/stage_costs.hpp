@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <string>
@@ -46,6 +47,14 @@ struct StageCosts {
   double param_bytes = 0;
   /// The largest parameter (an optimizer step's temporaries are about its size).
   double largest_param_bytes = 0;
+};
+
+/// The loss a pipe's last stage computes, for `profile_stages`: `fn(output, target)` on one
+/// micro-batch's target (none: the last stage's backward starts from gradients of ones on its
+/// output, and what the loss itself keeps and makes is not counted).
+struct StageLoss {
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> fn;
+  torch::Tensor target;
 };
 
 namespace detail {
@@ -112,11 +121,21 @@ inline StageRun run_stage(StageSpec& stage, const Batch& in,
   return r;
 }
 
-// The gradients a stage's output receives (made before the cell is measured: the next stage, or
-// the loss, allocates them), and the outputs that take them.
-inline std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> output_grads(
-    const Batch& out) {
+// Where a stage's backward starts. A stage before the last: its outputs, with gradients the
+// next stage made (made before the cell is measured). The last with a loss: the loss, computed
+// here as the pipe's last stage does (the cell keeps it and its outputs); without, its outputs
+// with gradients of ones.
+inline std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> backward_roots(
+    const Batch& out, const StageLoss* loss) {
   std::vector<torch::Tensor> roots, grads;
+  if (loss != nullptr && loss->fn) {
+    TORCH_CHECK(out.atomic(), "stagewise::profile_stages: the last stage returns ", out.size(),
+                " tensors; the loss takes one, as train_step's does");
+    auto l = loss->fn(out.tensor(), loss->target);
+    roots.push_back(l);
+    grads.push_back(torch::ones_like(l));
+    return {std::move(roots), std::move(grads)};
+  }
   for (const auto& t : out) {
     if (t.defined() && t.requires_grad()) {
       roots.push_back(t);
@@ -142,7 +161,8 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 // round 1.
 inline void measure_stage(StageSpec& stage, const Batch& in,
                           const std::map<const SkipInfo*, torch::Tensor>& skips, int round,
-                          torch::Device device, DeviceBytes& bytes, StageCosts& c) {
+                          torch::Device device, DeviceBytes& bytes, const StageLoss* loss,
+                          StageCosts& c) {
   auto timed = [&](double& slot, double took) {
     if (round > 0) slot = std::min(slot, took);
   };
@@ -153,9 +173,9 @@ inline void measure_stage(StageSpec& stage, const Batch& in,
     const std::int64_t before = bytes.current();
     auto t0 = std::chrono::steady_clock::now();
     StageRun r = run_stage(stage, in, skips);
+    auto [roots, grads] = backward_roots(r.out, loss);
     synchronize(device);
     timed(c.forward, seconds_since(t0));
-    auto [roots, grads] = output_grads(r.out);
     synchronize(device);
     const std::int64_t kept = bytes.current();
     if (measure) {
@@ -173,7 +193,7 @@ inline void measure_stage(StageSpec& stage, const Batch& in,
     // F, then I and W.
     const std::int64_t before = bytes.current();
     StageRun r = run_stage(stage, in, skips);
-    auto [roots, grads] = output_grads(r.out);
+    auto [roots, grads] = backward_roots(r.out, loss);
     synchronize(device);
     const std::int64_t kept = bytes.current();
     bytes.reset_peak();
@@ -212,18 +232,23 @@ inline void measure_stage(StageSpec& stage, const Batch& in,
 /// the profiling device (the CPU: a counting allocator; CUDA: the caching allocator's statistics,
 /// built with -DSTAGEWISE_WITH_CUDA), with the parameters' gradients already there, as in a pipe
 /// after its first step: what `schedule::peak_bytes` and `schedule::worker_memory` take. The
-/// model is left as it was; a parameter with a gradient is an error.
+/// model is left as it was; a parameter with a gradient is an error. With `loss`, the last stage
+/// computes it on `loss.target` (one micro-batch's) and back-propagates from it, as a pipe's
+/// last stage does; the loss's own bytes then count too.
 ///   auto costs = stagewise::profile_stages(model, sw::balance{3, 3}, torch::randn({16, 64}));
 ///   costs[1].split.input_grad;  // what stage 1's cell holds between its I and its W
 inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model, const balance& b,
                                               const Batch& sample,
-                                              const BalanceOptions& options = {}) {
+                                              const BalanceOptions& options = {},
+                                              const StageLoss& loss = {}) {
   const char* who = "stagewise::profile_stages";
   const torch::Device device = detail::profiling_device(model, sample, options, who);
   detail::verify_sequential(model, b);
   detail::Sandbox sandbox(model, device, who);
   auto stages = detail::partition(sandbox.seq(), b);
   detail::DeviceBytes bytes(device, who);
+  StageLoss on_device = loss;
+  if (loss.fn && loss.target.defined()) on_device.target = runtime::copy_to(loss.target, device);
   std::vector<StageCosts> out(stages.size());
   Batch batch = detail::sample_on(sample, device);
   std::map<const SkipInfo*, torch::Tensor> skips;
@@ -238,7 +263,8 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
     }
     const Batch in = detail::fresh_input(batch, j > 0 || detail::requires_grad(sample));
     for (int round = 0; round <= std::max(options.rounds(), 1); ++round) {
-      detail::measure_stage(stages[j], in, skips, round, device, bytes, c);
+      const bool last = j + 1 == stages.size();
+      detail::measure_stage(stages[j], in, skips, round, device, bytes, last ? &on_device : nullptr, c);
     }
     // The next stage's input and skips, from one more forward without a graph.
     detail::StageRun r;
