@@ -59,6 +59,22 @@ struct StageLoss {
 
 namespace detail {
 
+// A copy of `t` that is a leaf of its own, requiring grad when floating point and `grad`: what a
+// pipe's cell takes as its input (a split backward finds its inputs by their leaves).
+inline torch::Tensor leaf_copy(const torch::Tensor& t, bool grad) {
+  if (!t.defined()) return t;
+  auto copy = t.detach().clone();
+  if (grad && copy.is_floating_point()) copy.requires_grad_(true);
+  return copy;
+}
+
+inline Batch leaf_input(const Batch& b, bool grad) {
+  if (b.atomic()) return Batch(leaf_copy(b.tensor(), grad));
+  std::vector<torch::Tensor> out;
+  for (const auto& t : b.tensors()) out.push_back(leaf_copy(t, grad));
+  return Batch(std::move(out));
+}
+
 // Skips while profiling stage by stage: a pop of a skip this run stashed gets the tensor itself
 // (the stage's backward flows through it, as in a pipe); one an earlier stage stashed gets a
 // fresh leaf of it, as a skip message delivers it. What the stage stashes stays here.
@@ -77,7 +93,7 @@ class StageSkips final : public SkipTrackerBase {
     TORCH_CHECK(it != earlier_.end(), "stagewise::profile_stages: a layer pops skip ",
                 skip.describe(),
                 " that no earlier layer stashed; the layer that stashes it must come first");
-    auto leaf = fresh_leaf(it->second, /*grad=*/true);
+    auto leaf = leaf_copy(it->second, /*grad=*/true);
     earlier_.erase(it);
     popped.push_back(leaf);
     return leaf;
@@ -261,7 +277,7 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
       c.param_bytes += n;
       c.largest_param_bytes = std::max(c.largest_param_bytes, n);
     }
-    const Batch in = detail::fresh_input(batch, j > 0 || detail::requires_grad(sample));
+    const Batch in = detail::leaf_input(batch, j > 0 || detail::requires_grad(sample));
     for (int round = 0; round <= std::max(options.rounds(), 1); ++round) {
       const bool last = j + 1 == stages.size();
       detail::measure_stage(stages[j], in, skips, round, device, bytes, last ? &on_device : nullptr, c);
