@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iomanip>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -18,14 +19,19 @@
 
 namespace stagewise {
 
+struct PipelinePlan;
+
 /// One configuration `plan_pipeline` weighed: what it is, its predicted step time and worst
-/// worker's peak, and whether it fits the cap (if not, why).
+/// worker's peak, whether it fits the cap (if not, why), and the configuration itself as a plan
+/// (build it with `sw::Pipe(model, *candidate.plan)`, e.g. to measure it; null for a schedule
+/// that could not be weighed).
 struct PlanCandidate {
   std::string description;
   double step_seconds = 0;
   double peak = 0;  ///< the worst worker's predicted peak, bytes
   bool fits = false;
   std::string why_not;
+  std::shared_ptr<const PipelinePlan> plan;
 };
 
 /// What `plan_pipeline` chose: the split, the schedule, the number of micro-batches, each
@@ -78,9 +84,10 @@ struct PipelinePlan {
     return most;
   }
 
-  /// What was chosen, each worker's predicted peak by what holds it, and every candidate with
-  /// its time and peak (the faster ones with why they were rejected).
+  /// What was chosen, each worker's predicted peak by what holds it, and the candidates in order
+  /// (the first 30) with their times and peaks, and why each one before the chosen was rejected.
   std::string report() const {
+    constexpr std::size_t kShown = 30;
     std::ostringstream out;
     auto mib = [](double b) {
       std::ostringstream s;
@@ -106,8 +113,9 @@ struct PipelinePlan {
           << " + kept activations " << mib(m.activations) << " + working " << mib(m.working)
           << "; offloaded " << mib(m.offloaded) << "\n";
     }
-    out << "candidates (" << candidates.size() << "):\n";
-    for (const auto& c : candidates) {
+    out << "candidates (" << candidates.size() << ", the first " << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";
+    for (std::size_t k = 0; k < candidates.size() && k < kShown; ++k) {
+      const auto& c = candidates[k];
       out << "  " << (c.fits ? "fits " : "over ") << std::setprecision(4)
           << c.step_seconds * 1e3 << " ms, peak " << mib(c.peak) << ": " << c.description;
       if (!c.fits) out << " - " << c.why_not;

@@ -102,6 +102,22 @@ class PlanOptions {
     fused_ = on;
     return *this;
   }
+  /// The share of the cap a plan leaves free for what the model does not see (allocator slack,
+  /// small tensors, a caching allocator's rounding; default 0.05): a plan's predicted peak is
+  /// at most (1 - headroom) times the cap.
+  PlanOptions& headroom(double share) {
+    TORCH_CHECK(share >= 0 && share < 1, "stagewise::PlanOptions: headroom is ", share,
+                "; give a share of the cap from 0 to below 1 (0.05: 5%)");
+    headroom_ = share;
+    return *this;
+  }
+  /// Whether the stages run on separate devices or ranks (default false: one process on one
+  /// device, where a stage's output is the next stage's input, one tensor charged to the stage
+  /// that made it). Apart, each stage holds a copy of its input.
+  PlanOptions& separate_devices(bool on) {
+    separate_devices_ = on;
+    return *this;
+  }
   /// Fastest first (default) or smallest first.
   PlanOptions& prefer(PlanFor p) {
     prefer_ = p;
@@ -134,6 +150,8 @@ class PlanOptions {
   PlanFor prefer() const { return prefer_; }
   const std::optional<torch::Device>& device() const { return device_; }
   int rounds() const { return rounds_; }
+  double headroom() const { return headroom_; }
+  bool separate_devices() const { return separate_devices_; }
 
  private:
   int workers_ = 2;
@@ -151,6 +169,8 @@ class PlanOptions {
   PlanFor prefer_ = PlanFor::time;
   std::optional<torch::Device> device_;
   int rounds_ = 2;
+  double headroom_ = 0.05;
+  bool separate_devices_ = false;
 };
 
 }  // namespace stagewise

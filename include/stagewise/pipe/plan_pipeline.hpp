@@ -175,6 +175,7 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
   const std::int64_t rows = batch[0].size(0);
   const int k = options.workers();
   const auto cap = static_cast<double>(options.memory_per_worker());
+  const double usable = cap * (1.0 - options.headroom());  // what a plan's peak may reach
   BalanceOptions profiling = BalanceOptions().rounds(options.rounds());
   if (options.device()) profiling.device(*options.device());
   const auto schedules = detail::plan_schedules(options);
@@ -238,7 +239,8 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
           in.fused = fused;
           in.may_offload = options.store().has_value();
           in.store_speed = options.store_speed();
-          in.cap = cap;
+          in.cap = usable;
+          in.separate_devices = options.separate_devices();
           schedule::PlanCache plans;
           schedule::detail::MemoryCandidate w;
           try {
@@ -256,8 +258,11 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
           cand.description = d.str();
           cand.step_seconds = w.weight.time;
           cand.peak = w.peak;
-          cand.fits = w.peak <= cap;
-          if (!cand.fits) cand.why_not = "peak " + detail::mib(w.peak) + " over the cap of " + detail::mib(cap);
+          cand.fits = w.peak <= usable;
+          if (!cand.fits) {
+            cand.why_not = "peak " + detail::mib(w.peak) + " over " + detail::mib(usable) +
+                           " (the cap less its headroom)";
+          }
           found.push_back({std::move(w), cand, &sc, m, by, split, fused,
                            detail::offload_costs_for(in)});
         }
@@ -274,36 +279,44 @@ inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batc
   const Found* chosen = nullptr;
   double smallest = std::numeric_limits<double>::infinity();
   for (const auto& f : found) {
-    smallest = std::min(smallest, f.weighed.peak);
+    smallest = std::min(smallest, f.weighed.peak / (1.0 - options.headroom()));
     if (!chosen && f.candidate.fits) chosen = &f;
   }
   TORCH_CHECK(chosen != nullptr, who, ": nothing fits ", detail::mib(cap), " per worker on ", k,
-              " workers; the smallest cap any candidate fits is ",
+              " workers (headroom ", options.headroom(), " included); the smallest cap any "
+              "candidate fits is ",
               static_cast<std::int64_t>(std::ceil(smallest)), " bytes (", detail::mib(smallest),
               "). Give at least that, or ",
               options.store() ? "" : "a store to offload to (PlanOptions().store(...)), ",
               "more workers, or a smaller batch");
-  PipelinePlan plan;
-  plan.split = chosen->split;
-  plan.split_by = chosen->split_by;
-  plan.schedule = chosen->sched->schedule;
-  plan.stages_per_worker = chosen->sched->stages_per_worker;
-  plan.workers = k;
-  plan.micro_batches = chosen->m;
-  plan.batch_rows = rows;
-  for (const auto& c : chosen->weighed.choices) {
-    plan.checkpoints.push_back(c.mode);
-    plan.offload_stages.push_back(c.offload && chosen->weighed.moves);
+  auto plan_of = [&](const Found& f) {
+    PipelinePlan plan;
+    plan.split = f.split;
+    plan.split_by = f.split_by;
+    plan.schedule = f.sched->schedule;
+    plan.stages_per_worker = f.sched->stages_per_worker;
+    plan.workers = k;
+    plan.micro_batches = f.m;
+    plan.batch_rows = rows;
+    for (const auto& c : f.weighed.choices) {
+      plan.checkpoints.push_back(c.mode);
+      plan.offload_stages.push_back(c.offload && f.weighed.moves);
+    }
+    if (f.weighed.moves) plan.store = options.store();
+    plan.offload_costs = f.copies;
+    plan.fused_step = f.fused;
+    plan.optimizer = options.optimizer_name();
+    plan.cap = options.memory_per_worker();
+    plan.step_seconds = f.weighed.weight.time;
+    plan.memory = f.weighed.weight.memory;
+    return plan;
+  };
+  PipelinePlan plan = plan_of(*chosen);
+  for (const auto& f : found) {
+    plan.candidates.push_back(f.candidate);
+    plan.candidates.back().plan = std::make_shared<const PipelinePlan>(plan_of(f));
   }
-  if (chosen->weighed.moves) plan.store = options.store();
-  plan.offload_costs = chosen->copies;
-  plan.fused_step = chosen->fused;
-  plan.optimizer = options.optimizer_name();
-  plan.cap = options.memory_per_worker();
-  plan.step_seconds = chosen->weighed.weight.time;
-  plan.memory = chosen->weighed.weight.memory;
-  for (const auto& f : found) plan.candidates.push_back(f.candidate);
-  for (const auto& s : skipped) plan.candidates.push_back({s, 0, 0, false, "not weighed"});
+  for (const auto& s : skipped) plan.candidates.push_back({s, 0, 0, false, "not weighed", nullptr});
   return plan;
 }
 

@@ -38,6 +38,7 @@ struct SearchInput {
   bool may_offload = false;
   double store_speed = 4e9;  // bytes per second
   double cap = 0;
+  bool separate_devices = false;
 };
 
 // The simulated step time of `plan` on the stages' profiled costs: an offload or a reload takes
@@ -75,14 +76,31 @@ inline double step_seconds(const schedule::Plan& plan, const SearchInput& in) {
 }
 
 // The cells' bytes for `plan`: a split backward's where the schedule splits (it has I actions).
+// What a checkpointed cell keeps, and where: in one process a stage's output is the next stage's
+// input, one tensor charged to the worker that made it, so a checkpointed cell costs its worker
+// its output, which the next stage holds (the last stage's loss is a scalar); on separate devices
+// each stage holds a copy of its input, as long as its cell lives.
 inline std::vector<schedule::CellBytes> cells_of(const schedule::Plan& plan,
-                                                 const std::vector<StageCosts>& costs) {
+                                                 const std::vector<StageCosts>& costs,
+                                                 bool separate_devices) {
   bool split = false;
   for (const auto& program : plan.programs) {
     for (const auto& a : program) split = split || a.kind == schedule::ActionKind::input_grad;
   }
   std::vector<schedule::CellBytes> out;
-  for (const auto& c : costs) out.push_back(split ? c.split : c.whole);
+  for (std::size_t j = 0; j < costs.size(); ++j) {
+    const auto& c = costs[j];
+    schedule::CellBytes b = split ? c.split : c.whole;
+    if (separate_devices) {
+      const double copy = j == 0 ? 0.0 : c.input_bytes;
+      b.forward += copy;
+      b.input_grad += copy;
+      b.kept = c.input_bytes;
+    } else {
+      b.kept = j + 1 == costs.size() ? 0.0 : c.output_bytes;
+    }
+    out.push_back(b);
+  }
   return out;
 }
 
@@ -110,7 +128,7 @@ inline schedule::detail::MemoryCandidate search_choices(const SearchInput& in, b
       *in.sched, in.micro_batches, in.stages, in.cap, copies,
       [&](const schedule::Plan& plan) {
         schedule::detail::PlanWeight w;
-        w.memory = schedule::worker_memory(plan, cells_of(plan, *in.costs), in.state, in.fused);
+        w.memory = schedule::worker_memory(plan, cells_of(plan, *in.costs, in.separate_devices), in.state, in.fused);
         for (const auto& m : w.memory) w.peaks.push_back(m.peak);
         w.time = step_seconds(plan, in);
         return w;
