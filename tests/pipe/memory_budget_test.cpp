@@ -43,12 +43,17 @@ TEST_SUITE("memory budget") {
 
   TEST_CASE("the pipe takes the plan's mode, prints it, and trains like the pipe set by hand") {
     const auto sample = torch::randn({16, 8});
-    const auto memory = sw::profile_stage_memory(model(), b, sample);
-    // The smallest budget GPipe fits: stages 1..3 (wide inputs) only fit by offloading.
-    const auto loose = sched::plan_memory(gpipe, 8, memory, 1LL << 30, true);
-    for (auto mode : loose.checkpoints) CHECK(mode == sw::Checkpoint::never);
-    const auto smallest_error =
-        error_of([&] { (void)sched::plan_memory(gpipe, 8, memory, 1, true); });
+    // A loose budget checkpoints nothing; the smallest GPipe fits (named by the refusal of a
+    // budget of 1 byte) only fits by offloading: stages 1..3 have wide inputs.
+    auto loose = sw::Pipe(model(), b,
+                          sw::PipeOptions().chunks(8).memory_budget(1LL << 30, sample, std::nullopt,
+                                                                    gpipe));
+    for (auto mode : loose->memory_plan().checkpoints) CHECK(mode == sw::Checkpoint::never);
+    const auto smallest_error = error_of([&] {
+      (void)sw::Pipe(model(), b,
+                     sw::PipeOptions().chunks(8).memory_budget(1, sample,
+                                                               sw::runtime::HostStore(), gpipe));
+    });
     const auto smallest = std::stoll(smallest_error.substr(smallest_error.find("fits is ") + 8));
     torch::manual_seed(2);
     auto planned_model = model();

@@ -99,7 +99,8 @@ TEST_SUITE("plan_pipeline") {
     const auto x = torch::randn({16, 32});
     const auto e = error_of([&] { (void)sw::plan_pipeline(model, sw::Batch(x), quick(1000)); });
     CHECK(contains(e, "stagewise::plan_pipeline: nothing fits "));
-    CHECK(contains(e, " per worker on 2 workers; the smallest cap any candidate fits is "));
+    CHECK(contains(e, " per worker on 2 workers (headroom 0.05 included); the smallest cap any "
+                      "candidate fits is "));
     CHECK(contains(e, "Give at least that, or a store to offload to (PlanOptions().store(...)), "
                       "more workers, or a smaller batch"));
     const auto smallest = std::stoll(e.substr(e.find("fits is ") + 8));

@@ -103,11 +103,12 @@ class PipeOptions {
     return *this;
   }
 
-  /// A memory budget (default none): a pipe built from a Sequential profiles each stage on
-  /// `sample` (one micro-batch) and picks, with `schedule::plan_memory`, each stage's checkpoint
-  /// mode and offload choice (to `store`, or to the store `offload(...)` gave, with its costs),
-  /// the fastest plan whose predicted activation peak is at most `bytes` on every stage for
-  /// `sched`; the pipe runs those modes and offloads (`pipe->resolved_options()`), and
+  /// A memory budget (default none): a pipe built from a Sequential profiles each stage alone on
+  /// `sample` (one micro-batch; `profile_stages`) and picks, with `plan_pipeline`'s search held
+  /// to the pipe's split, micro-batches and `sched`, each stage's checkpoint mode and offload
+  /// choice (to `store`, or to the store `offload(...)` gave, with its costs), the fastest plan
+  /// whose predicted activation peak (what each worker's cells keep and work with) is at most
+  /// `bytes` on every worker; the pipe runs those modes and offloads (`pipe->resolved_options()`), and
   /// `pipe->memory_plan()` prints what it chose. When nothing fits, construction fails naming
   /// the smallest budget that would. The budget chooses the checkpoint modes, so it is refused
   /// with `checkpoint(...)`; a store given both here and to `offload(...)` is refused too. Every

@@ -39,6 +39,8 @@ struct SearchInput {
   double store_speed = 4e9;  // bytes per second
   double cap = 0;
   bool separate_devices = false;
+  // The offload pass's costs (none: from the stages' forward times and the store's speed).
+  std::optional<schedule::OffloadCosts> copies;
 };
 
 // The simulated step time of `plan` on the stages' profiled costs: an offload or a reload takes
@@ -107,6 +109,7 @@ inline std::vector<schedule::CellBytes> cells_of(const schedule::Plan& plan,
 // The offload pass's costs on a clock where a forward takes 1: a copy of a cell's inputs takes
 // its bytes over the store's speed, against the stages' mean forward.
 inline schedule::OffloadCosts offload_costs_for(const SearchInput& in) {
+  if (in.copies) return *in.copies;
   double forward = 0, copy = 0;
   for (const auto& c : *in.costs) {
     forward += c.forward;

@@ -10,14 +10,17 @@
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/resolved_options.hpp"
+#include "stagewise/pipe/detail/plan_search.hpp"
 #include "stagewise/schedule/memory_plan.hpp"
-#include "stagewise/stage/memory_profile.hpp"
+#include "stagewise/stage/stage_costs.hpp"
 #include "stagewise/stage/partition.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -124,15 +127,46 @@ inline void check_memory_budget(const PipeOptions& o, const PipeKind& kind, bool
               "memory_budget(bytes, sample)");
 }
 
-// A memory budget's plan for the stages of `seq` split by `b` (profiled on copies of its
-// layers), applied to `r`: each stage's mode, and the store with the stages that offload.
-inline void apply_memory_budget(const PipeOptions& o, const torch::nn::Sequential& seq,
-                                const balance& b, ResolvedPipeOptions& r) {
+// A memory budget's plan for the stages of `seq` split by `b`: plan_pipeline's search
+// (plan_search.hpp) held to the pipe's split, schedule and micro-batches, on the stages profiled
+// alone (profile_stages), counting the activations each worker's cells keep and work with. The
+// plan is applied to `r`: each stage's mode, and the store with the stages that offload.
+inline void apply_memory_budget(const PipeOptions& o, const PipeKind& kind,
+                                const torch::nn::Sequential& seq, const balance& b,
+                                ResolvedPipeOptions& r) {
   const MemoryBudget& budget = *o.memory_budget();
-  const auto memory = profile_stage_memory(seq, b, budget.sample);
-  const bool store = budget.store.has_value() || r.offload_store.has_value();
-  auto plan = schedule::plan_memory(budget.schedule, static_cast<int>(r.chunks), memory,
-                                    budget.bytes, store, r.offload_costs);
+  const auto costs = profile_stages(seq, b, budget.sample, BalanceOptions().rounds(1));
+  SearchInput in;
+  in.sched = &budget.schedule;
+  in.stages = static_cast<int>(costs.size());
+  in.micro_batches = static_cast<int>(r.chunks);
+  in.costs = &costs;
+  in.state.assign(costs.size(), schedule::StageState{});  // activations only
+  in.step_seconds.assign(costs.size(), 0.0);
+  in.may_offload = budget.store.has_value() || r.offload_store.has_value();
+  in.cap = static_cast<double>(budget.bytes);
+  in.separate_devices = kind.processes > 1;
+  in.copies = r.offload_costs;
+  schedule::PlanCache plans;
+  const auto best = search_choices(in, /*for_memory=*/false, plans);
+  TORCH_CHECK(best.peak <= in.cap, "stagewise::PipeOptions().memory_budget: no plan of ",
+              budget.schedule.name(), " with ", r.chunks, " micro-batches fits ", budget.bytes,
+              " bytes of activations per stage; the smallest budget that fits is ",
+              static_cast<std::int64_t>(std::ceil(best.peak)),
+              " bytes. Give at least that, or more micro-batches (smaller ones)",
+              in.may_offload ? "" : ", or a store to offload to");
+  schedule::MemoryPlan plan;
+  plan.budget = budget.bytes;
+  plan.schedule = budget.schedule.name();
+  plan.micro_batches = in.micro_batches;
+  for (const auto& c : best.choices) {
+    plan.checkpoints.push_back(c.mode);
+    plan.offload_stages.push_back(c.offload);
+  }
+  plan.offloaded = schedule::offloaded(best.plan);
+  plan.offload = !plan.offloaded.empty();
+  plan.predicted_peak = best.weight.peaks;
+  plan.step_time = best.weight.time;
   r.checkpoints = plan.checkpoints;
   if (plan.offload) {
     if (budget.store) r.offload_store = budget.store;
@@ -170,7 +204,7 @@ inline ResolvedPipe resolve_pipe(const PipeOptions& o, const PipeKind& kind,
   out.layers = stages->children();
   out.specs = partition(stages, b);
   out.options = resolve_common(o, kind, out.specs.size(), /*sequential=*/true);
-  if (o.memory_budget()) apply_memory_budget(o, seq, b, out.options);
+  if (o.memory_budget()) apply_memory_budget(o, kind, seq, b, out.options);
   out.options.offload_store = resolve_store(std::move(out.options.offload_store), kind);
   return out;
 }
