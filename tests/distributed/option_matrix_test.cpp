@@ -60,6 +60,8 @@ const Row kTable[] = {
     {"offload",                       {yes, yes, yes, yes, yes}},
     {"memory_budget",                 {yes, refused, yes, yes, yes}},
     {"memory_budget with checkpoint", {refused, refused, refused, refused, refused}},
+    {"schedule",                      {yes, yes, yes, yes, yes}},
+    {"schedule places ranks",         {none, none, none, yes, yes}},
     {"virtual_stages",                {none, none, none, yes, yes}},
     {"placed_like",                   {none, none, none, yes, yes}},
     {"timeout",                       {none, none, none, yes, yes}},
@@ -86,6 +88,7 @@ struct Probe {
   sw::distributed::Options dist;
   sw::balance balance{3, 3};
   sched::any_schedule schedule{"gpipe", sched::gpipe{}};
+  bool options_schedule = false;  // train_step given no schedule: the options' runs
   std::string refusal;                                // when refused
   std::function<std::string(const Observed&)> check;  // "" when it took effect
 };
@@ -182,6 +185,19 @@ Probe probe(const std::string& option, Kind kind) {
       if (!o.resolved.memory_plan) return std::string("no memory plan");
       return count_is(o, 'R', [](int) { return 0; });
     };
+  } else if (option == "schedule") {
+    p.options.schedule(sched::any_schedule(sched::zero_bubble_h1{}));
+    p.options_schedule = true;
+    p.check = [](const Observed& o) { return count_is(o, 'W', [](int) { return 4; }); };
+  } else if (option == "schedule places ranks") {
+    p.options.schedule(sched::any_schedule(sched::v_half{}));
+    p.options_schedule = true;
+    p.balance = {2, 1, 2, 1};
+    p.check = [](const Observed& o) {
+      const int r = o.actions.count(0) ? 0 : 1;
+      const auto w = count_is(o, 'W', [](int) { return 4; });
+      return w.empty() ? stages_are(o, r == 0 ? std::set<int>{0, 3} : std::set<int>{1, 2}) : w;
+    };
   } else if (option == "virtual_stages") {
     p.dist.virtual_stages(2);
     p.balance = {2, 1, 2, 1};
@@ -236,6 +252,18 @@ const torch::Tensor& target() {
   return y;
 }
 
+// One step of `pipe` with the probe's schedule, or, where the probe sets the options' schedule,
+// with none (train_step then runs the options').
+template <class P>
+void step(P& pipe, const Probe& p, const torch::Tensor& x, const torch::Tensor& y,
+          sched::Timeline& t) {
+  if (p.options_schedule) {
+    pipe->train_step(x, y, mse, &t);
+  } else {
+    pipe->train_step(x, y, mse, p.schedule, &t);
+  }
+}
+
 // The outcome of `p` in one process: "" when as expected, else what differs. `build` makes the
 // pipe (throws when refused), `step(pipe, timeline)` runs one step.
 template <class Build, class Step>
@@ -257,9 +285,7 @@ std::string outcome(const char* expected, const Probe& p, Build build, Step step
 std::string run_pipe(const char* expected, const Probe& p) {
   return outcome(
       expected, p, [&] { return sw::Pipe(model(2), p.balance, p.options); },
-      [&](auto& pipe, sched::Timeline& t) {
-        pipe->train_step(input(), target(), mse, p.schedule, &t);
-      });
+      [&](auto& pipe, sched::Timeline& t) { step(pipe, p, input(), target(), t); });
 }
 
 std::string run_typed(const char* expected, const Probe& p) {
@@ -270,9 +296,7 @@ std::string run_typed(const char* expected, const Probe& p) {
   }
   return outcome(
       expected, p, [&] { return sw::Pipe(sw::stages(first, second), p.options); },
-      [&](auto& pipe, sched::Timeline& t) {
-        pipe->train_step(input(), target(), mse, p.schedule, &t);
-      });
+      [&](auto& pipe, sched::Timeline& t) { step(pipe, p, input(), target(), t); });
 }
 
 // Two ranks over the tests' wire, on two threads (each with options of its own: a store is not
@@ -290,8 +314,7 @@ std::string run_over(const char* expected, const std::string& option) {
         expected, p,
         [&] { return WirePipe(seq, p.balance, p.options, std::make_unique<WireEnd>(wire, r)); },
         [&](auto& pipe, sched::Timeline& t) {
-          pipe->train_step(r == 0 ? input() : torch::Tensor(), r == 1 ? target() : torch::Tensor(),
-                           mse, p.schedule, &t);
+          step(pipe, p, r == 0 ? input() : torch::Tensor(), r == 1 ? target() : torch::Tensor(), t);
         });
   };
   std::thread t0(rank, 0), t1(rank, 1);
@@ -322,8 +345,8 @@ std::string run_ranked(Kind kind, int rank) {
         [&](auto& pipe, sched::Timeline& t) {
           const int stages = pipe->num_stages();
           const auto x = pipe->shard(input()), y = pipe->shard(target());
-          pipe->train_step(pipe->has_stage(0) ? x : torch::Tensor(),
-                           pipe->has_stage(stages - 1) ? y : torch::Tensor(), mse, p.schedule, &t);
+          step(pipe, p, pipe->has_stage(0) ? x : torch::Tensor(),
+               pipe->has_stage(stages - 1) ? y : torch::Tensor(), t);
         });
     if (!got.empty()) failures += std::string(row.option) + " on rank " + std::to_string(rank) + ": " + got + "\n";
   }
