@@ -97,8 +97,9 @@ struct PipelinePlan {
     out << "pipeline plan: " << schedule.name() << " on " << workers << " workers ("
         << split.size() << " stages, split by " << split_by << ": ";
     for (std::size_t j = 0; j < split.size(); ++j) out << (j ? " " : "") << split[j];
-    out << " layers), " << micro_batches << " micro-batches of " << batch_rows / micro_batches
-        << " rows, " << (fused_step ? "fused" : "unfused") << " " << optimizer
+    const auto rows = batch_rows / std::max<std::int64_t>(micro_batches, 1);
+    out << " layers), " << micro_batches << " micro-batches of " << rows
+        << (rows == 1 ? " row, " : " rows, ") << (fused_step ? "fused" : "unfused") << " " << optimizer
         << " step; predicted step " << std::setprecision(4) << step_seconds * 1e3
         << " ms, peak " << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap))
         << " per worker\n";
@@ -113,7 +114,8 @@ struct PipelinePlan {
           << " + kept activations " << mib(m.activations) << " + working " << mib(m.working)
           << "; offloaded " << mib(m.offloaded) << "\n";
     }
-    out << "candidates (" << candidates.size() << ", the first " << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";
+    out << "candidates (" << candidates.size() << ", the first "
+        << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";
     for (std::size_t k = 0; k < candidates.size() && k < kShown; ++k) {
       const auto& c = candidates[k];
       out << "  " << (c.fits ? "fits " : "over ") << std::setprecision(4)
