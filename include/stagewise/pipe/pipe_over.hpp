@@ -365,6 +365,42 @@ class PipeOverImpl : public detail::PlacedStages {
             }};
   }
 
+  // The step's micro-batches: this process's inputs and targets split by the options' chunks
+  // (the first stage's process decides their number, the others learn it through the
+  // transport), their weights, the loss and the checkpointed counts.
+  runtime::TrainStep micro_batches_of(const Batch& input, const Batch& target,
+                                      runtime::loss_fn_t loss_fn, int first_worker, bool first,
+                                      bool last) {
+    const std::string& where = where_;
+    runtime::TrainStep step;
+    if (first) step.inputs = scatter(input, resolved_.chunks);
+    if (last) step.targets = scatter(target, resolved_.chunks);
+    // The first stage's process decides the number of micro-batches; the others learn it
+    // through the transport.
+    const torch::Tensor count = transport_->share(
+        first ? torch::tensor(static_cast<std::int64_t>(step.inputs.size())) : torch::Tensor(),
+        first_worker, /*index=*/0);
+    TORCH_CHECK(count.defined(), where,
+                ": this process stopped before the step began (it aborted "
+                "earlier); build a new pipe");
+    const int m = static_cast<int>(count.item<std::int64_t>());
+    TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m, where,
+                ": the input splits into ", m, " micro-batches but the target into ",
+                step.targets.size(), "; give them the same number of rows");
+    if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+    if (last) {
+      step.weights = detail::row_weights(step.targets);
+    } else {
+      step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
+      step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
+    }
+    step.loss_fn = std::move(loss_fn);
+    if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
+    step.training = is_training();
+    step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);
+    return step;
+  }
+
   template <class Schedule>
   torch::Tensor run_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
                          const Schedule& sched, const std::function<void(int)>& before,
@@ -391,32 +427,9 @@ class PipeOverImpl : public detail::PlacedStages {
                             where_, placement_fix_);
     const bool first = stages_.front() != nullptr, last = stages_.back() != nullptr;
     detail::check_step_rows(first ? &input : nullptr, last ? &target : nullptr, where.c_str());
-    runtime::TrainStep step;
-    if (first) step.inputs = scatter(input, resolved_.chunks);
-    if (last) step.targets = scatter(target, resolved_.chunks);
-    // The first stage's process decides the number of micro-batches; the others learn it
-    // through the transport.
-    const torch::Tensor count = transport_->share(
-        first ? torch::tensor(static_cast<std::int64_t>(step.inputs.size())) : torch::Tensor(),
-        placement.front(), /*index=*/0);
-    TORCH_CHECK(count.defined(), where,
-                ": this process stopped before the step began (it aborted "
-                "earlier); build a new pipe");
-    const int m = static_cast<int>(count.item<std::int64_t>());
-    TORCH_CHECK(!last || static_cast<int>(step.targets.size()) == m, where,
-                ": the input splits into ", m, " micro-batches but the target into ",
-                step.targets.size(), "; give them the same number of rows");
-    if (!first) step.inputs.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
-    if (last) {
-      step.weights = detail::row_weights(step.targets);
-    } else {
-      step.targets.assign(static_cast<std::size_t>(m), Batch(torch::Tensor()));
-      step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
-    }
-    step.loss_fn = std::move(loss_fn);
-    if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
-    step.training = is_training();
-    step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);
+    runtime::TrainStep step =
+        micro_batches_of(input, target, std::move(loss_fn), placement.front(), first, last);
+    const int m = static_cast<int>(step.weights.size());
     // The step's plan, made once for these arguments and then reused (PlanCache); with
     // PipeOptions().offload(...), its offloads and reloads, and the step's store opened.
     const auto planned =

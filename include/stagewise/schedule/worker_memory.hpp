@@ -77,6 +77,90 @@ struct WorkerTally {
 
 }  // namespace detail
 
+namespace detail {
+
+// The walk of one worker's program for worker_memory: its running totals, action by action.
+class MemoryWalk {
+ public:
+  MemoryWalk(const Plan& plan, const std::vector<CellBytes>& cells,
+             const std::vector<StageState>& state, bool fused)
+      : plan_(plan), cells_(cells), state_(state), fused_(fused), spans_(gradient_spans(plan)) {
+    recomputed_.assign(
+        static_cast<std::size_t>(plan.stages) * static_cast<std::size_t>(plan.micro_batches), 0);
+    for (const auto& program : plan.programs) {
+      for (const auto& a : program) {
+        if (a.kind == ActionKind::recompute) recomputed_[cell(a)] = 1;
+      }
+    }
+  }
+
+  WorkerMemory worker(int w) {
+    WorkerTally t;
+    double step_working = 0;  // the largest of the worker's stages' (the unfused step's)
+    for (int s : plan_.stages_of(w)) {
+      t.now.params += state_of(s).params;
+      t.now.optimizer += state_of(s).optimizer;
+      step_working = std::max(step_working, state_of(s).step_working);
+    }
+    offloaded_ = most_offloaded_ = 0;
+    t.see(0);
+    const auto& program = plan_.programs[static_cast<std::size_t>(w)];
+    for (std::size_t k = 0; k < program.size(); ++k) act(program[k], static_cast<int>(k), t);
+    if (!fused_) t.see(step_working);  // the optimizer's step, after the pipeline's
+    WorkerMemory out = t.at_peak;
+    out.offloaded = most_offloaded_;
+    return out;
+  }
+
+ private:
+  // Action `a`, the k-th of its worker's program: its working memory counts while it runs, then
+  // what it keeps or frees.
+  void act(const Action& a, int k, WorkerTally& t) {
+    const auto& b = cells_[cells_.size() == 1 ? 0 : static_cast<std::size_t>(a.stage)];
+    const auto& st = state_of(a.stage);
+    const auto& span = spans_[static_cast<std::size_t>(a.stage)];
+    const double kept = b.kept < 0.0 ? b.forward : b.kept;
+    const bool weights = a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad;
+    const bool last = fused_ && k == span.last;  // the fused step steps the stage here
+    if (weights && k == span.first) t.now.grads += st.grads;
+    if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
+      t.see(b.working + (last && a.kind == ActionKind::backward ? st.step_working : 0.0));
+    }
+    if (a.kind == ActionKind::weight_grad) t.see(b.weight_working + (last ? st.step_working : 0.0));
+    auto& acts = t.now.activations;
+    switch (a.kind) {
+      case ActionKind::forward: acts += recomputed_[cell(a)] ? kept : b.forward; break;
+      case ActionKind::recompute: acts += b.forward - kept; break;
+      case ActionKind::offload: acts -= kept; offloaded_ += kept; break;
+      case ActionKind::reload: acts += kept; offloaded_ -= kept; break;
+      case ActionKind::input_grad: acts += b.input_grad - b.forward; break;
+      case ActionKind::weight_grad: acts -= b.input_grad; break;
+      case ActionKind::backward: acts -= b.forward; break;
+    }
+    most_offloaded_ = std::max(most_offloaded_, offloaded_);
+    if (weights && last) t.now.grads -= st.grads;
+    t.see(0);
+  }
+
+  std::size_t cell(const Action& a) const {
+    return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(plan_.micro_batches) +
+           static_cast<std::size_t>(a.micro);
+  }
+  const StageState& state_of(int s) const {
+    return state_[state_.size() == 1 ? 0 : static_cast<std::size_t>(s)];
+  }
+
+  const Plan& plan_;
+  const std::vector<CellBytes>& cells_;
+  const std::vector<StageState>& state_;
+  bool fused_;
+  std::vector<GradientSpan> spans_;
+  std::vector<char> recomputed_;
+  double offloaded_ = 0, most_offloaded_ = 0;
+};
+
+}  // namespace detail
+
 /// Per worker, the most bytes it holds at once in a step of `plan`, by what holds them, counted
 /// along its program as `peak_bytes` counts its cells (`cells[s]` for stage s, or one entry for
 /// all), plus: its stages' parameters and optimizer state (`state[s]`, or one entry for all)
@@ -95,77 +179,9 @@ inline std::vector<WorkerMemory> worker_memory(const Plan& plan, const std::vect
   TORCH_CHECK(state.size() == 1 || static_cast<int>(state.size()) == plan.stages,
               "stagewise::schedule::worker_memory: give one StageState for every stage (",
               plan.stages, "), or one for all; got ", state.size());
-  auto cell_of = [&](int s) -> const CellBytes& {
-    return cells[cells.size() == 1 ? 0 : static_cast<std::size_t>(s)];
-  };
-  auto state_of = [&](int s) -> const StageState& {
-    return state[state.size() == 1 ? 0 : static_cast<std::size_t>(s)];
-  };
-  std::vector<char> recomputed(
-      static_cast<std::size_t>(plan.stages) * static_cast<std::size_t>(plan.micro_batches), 0);
-  auto cell = [&](const Action& a) {
-    return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(plan.micro_batches) +
-           static_cast<std::size_t>(a.micro);
-  };
-  for (const auto& program : plan.programs) {
-    for (const auto& a : program) {
-      if (a.kind == ActionKind::recompute) recomputed[cell(a)] = 1;
-    }
-  }
-  const auto spans = detail::gradient_spans(plan);
+  detail::MemoryWalk walk(plan, cells, state, fused);
   std::vector<WorkerMemory> out;
-  for (int w = 0; w < plan.workers; ++w) {
-    const auto& program = plan.programs[static_cast<std::size_t>(w)];
-    detail::WorkerTally t;
-    double step_working = 0;  // the largest of the worker's stages' (the unfused step's)
-    for (int s : plan.stages_of(w)) {
-      t.now.params += state_of(s).params;
-      t.now.optimizer += state_of(s).optimizer;
-      step_working = std::max(step_working, state_of(s).step_working);
-    }
-    double offloaded = 0, most_offloaded = 0;
-    t.see(0);
-    for (std::size_t k = 0; k < program.size(); ++k) {
-      const Action& a = program[k];
-      const auto& b = cell_of(a.stage);
-      const auto& st = state_of(a.stage);
-      const auto& span = spans[static_cast<std::size_t>(a.stage)];
-      const double kept = b.kept < 0.0 ? b.forward : b.kept;
-      const bool weights = a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad;
-      if (weights && static_cast<int>(k) == span.first) t.now.grads += st.grads;
-      if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
-        double working = b.working;
-        if (fused && static_cast<int>(k) == span.last && a.kind == ActionKind::backward) {
-          working += st.step_working;
-        }
-        t.see(working);
-      }
-      if (a.kind == ActionKind::weight_grad) {
-        t.see(b.weight_working +
-              (fused && static_cast<int>(k) == span.last ? st.step_working : 0.0));
-      }
-      auto& acts = t.now.activations;
-      if (a.kind == ActionKind::forward) acts += recomputed[cell(a)] ? kept : b.forward;
-      if (a.kind == ActionKind::recompute) acts += b.forward - kept;
-      if (a.kind == ActionKind::offload) {
-        acts -= kept;
-        offloaded += kept;
-      }
-      if (a.kind == ActionKind::reload) {
-        acts += kept;
-        offloaded -= kept;
-      }
-      if (a.kind == ActionKind::input_grad) acts += b.input_grad - b.forward;
-      if (a.kind == ActionKind::weight_grad) acts -= b.input_grad;
-      if (a.kind == ActionKind::backward) acts -= b.forward;
-      most_offloaded = std::max(most_offloaded, offloaded);
-      if (weights && fused && static_cast<int>(k) == span.last) t.now.grads -= st.grads;
-      t.see(0);
-    }
-    if (!fused) t.see(step_working);  // the optimizer's step, after the pipeline's
-    out.push_back(t.at_peak);
-    out.back().offloaded = most_offloaded;
-  }
+  for (int w = 0; w < plan.workers; ++w) out.push_back(walk.worker(w));
   return out;
 }
 

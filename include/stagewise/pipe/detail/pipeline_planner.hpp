@@ -1,0 +1,348 @@
+#pragma once
+
+// plan_pipeline's work (pipe/plan_pipeline.hpp): the candidates it weighs (micro-batch counts,
+// schedules, splits, the fused step or not), each stage profiled alone (profile_stages), each
+// candidate's checkpoint modes and offloads searched (plan_search.hpp), and the plan assembled
+// from the one chosen, with every candidate as a plan of its own.
+
+#include "stagewise/core/batch.hpp"
+#include "stagewise/core/error_context.hpp"
+#include "stagewise/pipe/detail/plan_search.hpp"
+#include "stagewise/pipe/pipeline_plan.hpp"
+#include "stagewise/pipe/plan_options.hpp"
+#include "stagewise/runtime/cell_runs.hpp"
+#include "stagewise/schedule/choose.hpp"
+#include "stagewise/stage/block_partition.hpp"
+#include "stagewise/stage/profile.hpp"
+#include "stagewise/stage/stage_costs.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stagewise {
+
+namespace detail {
+
+// The first `rows` rows of every tensor of `batch`: one micro-batch.
+inline Batch first_rows(const Batch& batch, std::int64_t rows) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : batch) out.push_back(t.narrow(0, 0, rows));
+  return batch.atomic() ? Batch(out[0]) : Batch(std::move(out));
+}
+
+// The micro-batch counts to weigh: as given, or every divisor of the rows up to 64.
+inline std::vector<int> micro_batch_counts(const PlanOptions& o, std::int64_t rows) {
+  std::vector<int> out;
+  if (!o.micro_batches().empty()) {
+    for (int m : o.micro_batches()) {
+      TORCH_CHECK(rows % m == 0, "stagewise::plan_pipeline: the batch has ", rows,
+                  " rows, which do not split into ", m,
+                  " equal micro-batches; give counts that divide the batch");
+      out.push_back(m);
+    }
+    return out;
+  }
+  for (int m = 1; m <= std::min<std::int64_t>(rows, 64); ++m) {
+    if (rows % m == 0) out.push_back(m);
+  }
+  return out;
+}
+
+// The schedules to weigh: the built-in candidates, or those named.
+inline std::vector<schedule::ScheduleCandidate> plan_schedules(const PlanOptions& o) {
+  auto all = schedule::default_candidates();
+  if (o.schedules().empty()) return all;
+  std::vector<schedule::ScheduleCandidate> out;
+  for (const auto& name : o.schedules()) {
+    auto it = std::find_if(all.begin(), all.end(),
+                           [&](const auto& c) { return c.schedule.name() == name; });
+    std::string known;
+    for (const auto& c : all) known += (known.empty() ? "" : ", ") + c.schedule.name();
+    TORCH_CHECK(it != all.end(), "stagewise::PlanOptions: no built-in schedule is named '", name,
+                "'; give some of: ", known);
+    out.push_back(*it);
+  }
+  return out;
+}
+
+// One optimizer step's time on copies of `params` (each with a gradient), the second of two (the
+// first makes the state).
+inline double optimizer_step_seconds(const PlanOptions& o, const std::vector<torch::Tensor>& params) {
+  if (params.empty()) return 0.0;
+  std::vector<torch::Tensor> copies;
+  for (const auto& p : params) {
+    auto c = p.detach().clone().requires_grad_(true);
+    c.mutable_grad() = torch::randn_like(c);
+    copies.push_back(c);
+  }
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (o.adam()) {
+    opt = std::make_unique<torch::optim::Adam>(
+        copies, torch::optim::AdamOptions(o.adam()->lr).weight_decay(o.adam()->weight_decay));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(
+        copies, torch::optim::SGDOptions(o.sgd()->lr).momentum(o.sgd()->momentum));
+  }
+  torch::NoGradGuard no_grad;
+  opt->step();
+  const auto t0 = std::chrono::steady_clock::now();
+  opt->step();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Each layer's optimizer step time (summed per stage later).
+inline std::vector<double> layer_step_seconds(const torch::nn::Sequential& model,
+                                              const PlanOptions& o) {
+  std::vector<double> out;
+  for (const auto& layer : model->children()) out.push_back(optimizer_step_seconds(o, layer->parameters()));
+  return out;
+}
+
+// What each stage holds besides its cells, from its costs and the optimizer.
+inline std::vector<schedule::StageState> stage_states(const std::vector<StageCosts>& costs,
+                                                      const PlanOptions& o) {
+  std::vector<schedule::StageState> out;
+  for (const auto& c : costs) {
+    out.push_back({.params = c.param_bytes,
+                   .grads = c.param_bytes,
+                   .optimizer = o.state_per_param() * c.param_bytes,
+                   .step_working = o.step_temporaries() * c.largest_param_bytes});
+  }
+  return out;
+}
+
+inline std::string mib(double bytes) {
+  std::ostringstream s;
+  s.precision(4);
+  s << bytes / (1 << 20) << " MiB";
+  return s.str();
+}
+
+// The splits to weigh for `stages` stages at one micro-batch: the exact min-max split of the
+// layers' times, and of their sizes (activations plus parameters, gradients and optimizer
+// state), without repeats.
+inline std::vector<std::pair<std::string, balance>> splits_of(const std::vector<double>& times,
+                                                             const std::vector<double>& sizes,
+                                                             int stages) {
+  std::vector<std::pair<std::string, balance>> out;
+  auto add = [&](const std::string& by, const std::vector<double>& costs) {
+    const auto sizes_of = block_sizes(costs, stages);
+    balance b(sizes_of.begin(), sizes_of.end());
+    for (const auto& [name, seen] : out) {
+      if (seen == b) return;
+    }
+    out.emplace_back(by, std::move(b));
+  };
+  add("time", times);
+  add("size", sizes);
+  return out;
+}
+
+
+// One candidate weighed: its best setting of the stages' choices and what it was.
+struct PlanFound {
+  schedule::detail::MemoryCandidate weighed;
+  PlanCandidate candidate;
+  const schedule::ScheduleCandidate* sched = nullptr;
+  int m = 1;
+  std::string split_by;
+  balance split;
+  bool fused = false;
+  schedule::OffloadCosts copies;
+};
+
+// The search of plan_pipeline over every candidate; `plan()` chooses.
+class PipelinePlanner {
+ public:
+  PipelinePlanner(const torch::nn::Sequential& model, const Batch& batch,
+                  const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
+                  const PlanOptions& options)
+      : model_(model), batch_(batch), target_(target), loss_fn_(loss_fn), options_(options) {
+    TORCH_CHECK(options.memory_per_worker() > 0, who_,
+                ": give the bytes each worker may hold: PlanOptions().memory_per_worker(bytes)");
+    check_sample(batch, who_);
+    rows_ = batch[0].size(0);
+    usable_ = static_cast<double>(options.memory_per_worker()) * (1.0 - options.headroom());
+    profiling_ = BalanceOptions().rounds(options.rounds());
+    if (options.device()) profiling_.device(*options.device());
+    schedules_ = plan_schedules(options);
+    layer_steps_ = layer_step_seconds(model, options);
+    if (!options.fused_step() || !*options.fused_step()) fused_choices_.push_back(false);
+    if (!options.fused_step() || *options.fused_step()) fused_choices_.push_back(true);
+  }
+
+  // Weighs every candidate with `m` micro-batches: profiles the layers on one micro-batch, and
+  // each split's stages once.
+  void weigh_micro_batches(int m) {
+    const Batch sample = first_rows(batch_, rows_ / m);
+    const auto times = profile_times(model_, sample, profiling_);
+    const auto sizes = profile_sizes(
+        model_, sample, BalanceOptions(profiling_).param_scale(2.0 + options_.state_per_param()));
+    std::map<int, std::vector<std::pair<std::string, balance>>> splits;
+    std::map<balance, std::vector<StageCosts>> costs;
+    for (const auto& sc : schedules_) {
+      const int n = options_.workers() * sc.stages_per_worker;
+      if (n > static_cast<int>(model_->size())) {
+        skip(sc.schedule.name() + ": needs " + std::to_string(n) + " stages, the model has " +
+             std::to_string(model_->size()) + " layers");
+        continue;
+      }
+      if (!splits.count(n)) splits[n] = splits_of(times, sizes, n);
+      for (const auto& [by, split] : splits[n]) {
+        if (!costs.count(split)) {
+          StageLoss loss;
+          if (loss_fn_ && target_.defined()) loss = {loss_fn_, target_.narrow(0, 0, rows_ / m)};
+          costs[split] = profile_stages(model_, split, sample, profiling_, loss);
+        }
+        for (bool fused : fused_choices_) weigh(sc, m, by, split, costs[split], fused);
+      }
+    }
+  }
+
+  // The fastest candidate that fits (or the smallest), as a plan with every candidate.
+  PipelinePlan plan() {
+    TORCH_CHECK(!found_.empty(), who_, ": no candidate could be planned for ", options_.workers(),
+                " workers: ", skipped_.empty() ? std::string("none given") : skipped_.front(),
+                "; give fewer workers or a model with more layers");
+    const bool for_memory = options_.prefer() == PlanFor::memory;
+    std::stable_sort(found_.begin(), found_.end(), [&](const PlanFound& a, const PlanFound& b) {
+      if (for_memory && a.weighed.peak != b.weighed.peak) return a.weighed.peak < b.weighed.peak;
+      return a.weighed.weight.time < b.weighed.weight.time;
+    });
+    const PlanFound* chosen = nullptr;
+    double smallest = std::numeric_limits<double>::infinity();
+    for (const auto& f : found_) {
+      smallest = std::min(smallest, f.weighed.peak / (1.0 - options_.headroom()));
+      if (!chosen && f.candidate.fits) chosen = &f;
+    }
+    const auto cap = static_cast<double>(options_.memory_per_worker());
+    TORCH_CHECK(chosen != nullptr, who_, ": nothing fits ", mib(cap), " per worker on ",
+                options_.workers(), " workers (headroom ", options_.headroom(),
+                " included); the smallest cap any candidate fits is ",
+                static_cast<std::int64_t>(std::ceil(smallest)), " bytes (", mib(smallest),
+                "). Give at least that, or ",
+                options_.store() ? "" : "a store to offload to (PlanOptions().store(...)), ",
+                "more workers, or a smaller batch");
+    PipelinePlan out = plan_of(*chosen);
+    for (const auto& f : found_) {
+      out.candidates.push_back(f.candidate);
+      out.candidates.back().plan = std::make_shared<const PipelinePlan>(plan_of(f));
+    }
+    for (const auto& s : skipped_) out.candidates.push_back({s, 0, 0, false, "not weighed", nullptr});
+    return out;
+  }
+
+ private:
+  void skip(const std::string& why) {
+    if (std::find(skipped_.begin(), skipped_.end(), why) == skipped_.end()) skipped_.push_back(why);
+  }
+
+  // The search's input for one candidate.
+  SearchInput input(const schedule::ScheduleCandidate& sc, int m, const balance& split,
+                    const std::vector<StageCosts>& costs, bool fused) const {
+    SearchInput in;
+    in.sched = &sc.schedule;
+    in.stages = static_cast<int>(split.size());
+    in.micro_batches = m;
+    in.costs = &costs;
+    in.state = stage_states(costs, options_);
+    std::size_t first = 0;
+    for (auto layers : split) {
+      double t = 0;
+      for (std::size_t l = first; l < first + static_cast<std::size_t>(layers); ++l) t += layer_steps_[l];
+      in.step_seconds.push_back(t);
+      first += static_cast<std::size_t>(layers);
+    }
+    in.fused = fused;
+    in.may_offload = options_.store().has_value();
+    in.store_speed = options_.store_speed();
+    in.cap = usable_;
+    in.separate_devices = options_.separate_devices();
+    return in;
+  }
+
+  // Searches one candidate's checkpoint modes and offloads, and records what it found.
+  void weigh(const schedule::ScheduleCandidate& sc, int m, const std::string& by,
+             const balance& split, const std::vector<StageCosts>& costs, bool fused) {
+    const SearchInput in = input(sc, m, split, costs, fused);
+    schedule::PlanCache plans;
+    schedule::detail::MemoryCandidate w;
+    try {
+      w = search_choices(in, options_.prefer() == PlanFor::memory, plans);
+    } catch (const std::exception& e) {
+      skip(sc.schedule.name() + " with " + std::to_string(m) + " micro-batches: cannot run (" +
+           message_of(e) + ")");
+      return;
+    }
+    PlanCandidate cand;
+    std::ostringstream d;
+    d << sc.schedule.name() << ", " << m << " micro-batches, split by " << by << " {";
+    for (std::size_t j = 0; j < split.size(); ++j) d << (j ? "," : "") << split[j];
+    d << "}, " << schedule::detail::describe(w.choices) << ", " << (fused ? "fused" : "unfused")
+      << " step";
+    cand.description = d.str();
+    cand.step_seconds = w.weight.time;
+    cand.peak = w.peak;
+    cand.fits = w.peak <= usable_;
+    if (!cand.fits) {
+      cand.why_not = "peak " + mib(w.peak) + " over " + mib(usable_) + " (the cap less its headroom)";
+    }
+    found_.push_back({std::move(w), cand, &sc, m, by, split, fused, offload_costs_for(in)});
+  }
+
+  PipelinePlan plan_of(const PlanFound& f) const {
+    PipelinePlan plan;
+    plan.split = f.split;
+    plan.split_by = f.split_by;
+    plan.schedule = f.sched->schedule;
+    plan.stages_per_worker = f.sched->stages_per_worker;
+    plan.workers = options_.workers();
+    plan.micro_batches = f.m;
+    plan.batch_rows = rows_;
+    for (const auto& c : f.weighed.choices) {
+      plan.checkpoints.push_back(c.mode);
+      plan.offload_stages.push_back(c.offload && f.weighed.moves);
+    }
+    if (f.weighed.moves) plan.store = options_.store();
+    plan.offload_costs = f.copies;
+    plan.fused_step = f.fused;
+    plan.optimizer = options_.optimizer_name();
+    plan.cap = options_.memory_per_worker();
+    plan.step_seconds = f.weighed.weight.time;
+    plan.memory = f.weighed.weight.memory;
+    return plan;
+  }
+
+  const char* who_ = "stagewise::plan_pipeline";
+  const torch::nn::Sequential& model_;
+  const Batch& batch_;
+  const torch::Tensor& target_;
+  const runtime::loss_fn_t& loss_fn_;
+  const PlanOptions& options_;
+  std::int64_t rows_ = 0;
+  double usable_ = 0;  // the cap less its headroom: what a plan's peak may reach
+  BalanceOptions profiling_;
+  std::vector<schedule::ScheduleCandidate> schedules_;
+  std::vector<double> layer_steps_;
+  std::vector<bool> fused_choices_;
+  std::vector<PlanFound> found_;
+  std::vector<std::string> skipped_;  // why a schedule was not weighed (once each)
+};
+
+}  // namespace detail
+}  // namespace stagewise
