@@ -156,9 +156,12 @@ class C10dTransport {
     std::vector<int> members(static_cast<std::size_t>(job.size()));
     std::iota(members.begin(), members.end(), 0);
     // On the transport's own group (the job's), started under the lock of its sends and receives.
+    const auto waited_for = what + " (every rank must call it)";
     return all_gather_values(
         job, values, options_.device(),
-        [&](const c10::intrusive_ptr<c10d::Work>& work) { wait_collective(work, members, what); },
+        [&](const c10::intrusive_ptr<c10d::Work>& work) {
+          wait_collective(work, members, waited_for);
+        },
         value_room_, connection_.job_ranks.empty() ? &link_.post : nullptr);
   }
 
