@@ -1,5 +1,5 @@
 // A clipped step leaves nothing in the job's store (issue #43): pipe->clip_grad_norm_step gathers
-// the ranks' gradient norms over the process group, so 1,000 clipped steps on 2 ranks (200 on 2
+// the ranks' gradient norms over the process group, so 1,000 clipped steps on 2 ranks (100 on 2
 // stages x 2 replicas) leave the store's key count where the first step left it, each step's
 // total norm still the one-process pipe's (bit for bit with one replica). A clip whose ranks
 // disagree (max_norm, or a fused step over parameters outside a rank's stages) is refused on
@@ -108,11 +108,11 @@ TEST_SUITE("a clipped step over the process group, not the store") {
     clip_store::expect_no_growth(r);
   }
 
-  TEST_CASE("200 clipped steps on 2 stages x 2 replicas leave the store's key count alone") {
+  TEST_CASE("100 clipped steps on 2 stages x 2 replicas leave the store's key count alone") {
     const auto r = run_ranks(
         4,
         [](int) {
-          clip_store::run(sw::runtime::connect(sw::runtime::rendezvous_env(), {20s}), 2, 200);
+          clip_store::run(sw::runtime::connect(sw::runtime::rendezvous_env(), {20s}), 2, 100);
         },
         180s);
     clip_store::expect_no_growth(r);
