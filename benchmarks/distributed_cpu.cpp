@@ -14,10 +14,15 @@
 // r / 2), each replica on its 64 rows, against the one-replica pipe on 2 ranks on the whole batch
 // (the "distributed, gpipe" step above), alternating in rounds; and the bytes each rank
 // all-reduces per step against the ring all-reduce's 2(d-1)/d x its stage's gradients; as a check,
-// one step's loss and stage 0's gradient norm against the one-replica pipe's.
+// one step's loss and stage 0's gradient norm against the one-replica pipe's. Also, on the 2
+// ranks, the clipped step (pipe->clip_grad_norm_step around the GPipe step with a fused SGD)
+// against the same fused step unclipped, alternating in rounds (clip_step_ratio: the clip runs
+// the step twice, a norm pass and the update, and gathers every rank's gradient norms between
+// them; so about 2 plus the gather's share), and that gather alone (an empty closure).
 //   ./bazelw run -c opt //benchmarks:distributed_cpu [-- --blas=openblas]
-//   [-- --pipe-only]  (the first table alone: sequential, in-process and distributed pipes; the
-//   key line gives nan for the rest, e.g. before/after a change to the transport)
+//   [-- --pipe-only]  (the first table and the clipped step alone: sequential, in-process and
+//   distributed pipes; the key line gives nan for the rest, e.g. before/after a change to the
+//   transport)
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
 
@@ -51,6 +56,7 @@ namespace {
 constexpr int kRounds = 7;
 constexpr int kSteps = 10;    // timed steps per variant and round (median taken)
 constexpr int kReplicas = 2;  // the 2x2 pipe's replicas, of 2 stages (ranks) each
+constexpr double kClipNorm = 1.0;  // the clipped step's max_norm
 
 torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
   return torch::mse_loss(o, t);
@@ -71,8 +77,10 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
 }
 
 // One rank of the distributed pipe: runs a variant when the parent asks ('g' gpipe, 'o' 1F1B,
-// 'e' the end-of-step agreement alone, 'q' quit) and, on rank 0, answers with the median step
-// time in microseconds; 'l': one gpipe step, then the loss and the norm of stage 0's gradients.
+// 'f' gpipe with a fused SGD step, 'c' that step clipped by pipe->clip_grad_norm_step, 'x' the
+// clip's norm gather alone, 'e' the end-of-step agreement alone, 'q' quit) and, on rank 0,
+// answers with the median step time in microseconds; 'l': one gpipe step, then the loss and the
+// norm of stage 0's gradients.
 [[noreturn]] void rank_main(int rank, int port, int commands, int answers) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
@@ -92,6 +100,10 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
         sw::runtime::C10dOptions().prefix("distributed_cpu/agreement"));
     auto [x, t] = batch();
     auto params = pipe->parameters();
+    // The fused step of 'f' and 'c' (a tiny learning rate: the model hardly moves), detached
+    // while the other variants run, which step nothing.
+    sw::optim::FusedStep fused(pipe->parameters(), torch::optim::SGDOptions(1e-6));
+    fused.detach();
     // Data parallel: the whole model on each rank, each on its 64 of the 128 rows.
     auto whole = model();
     sw::distributed::DataParallel dp(connection, whole,
@@ -125,6 +137,24 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
         const double answer[2] = {loss, std::sqrt(norm2)};
         if (rank == 0) {
           [[maybe_unused]] auto n = ::write(answers, answer, sizeof answer);
+        }
+        continue;
+      }
+      if (c == 'f' || c == 'c' || c == 'x') {
+        fused.attach();
+        auto fused_step = [&] { pipe->train_step(x, t, mse, fused, sw::schedule::gpipe{}); };
+        double us = 0;
+        if (c == 'f') us = median_us(fused_step, kSteps, 2);
+        if (c == 'c') {
+          us = median_us([&] { pipe->clip_grad_norm_step(fused, fused_step, kClipNorm); }, kSteps,
+                         2);
+        }
+        if (c == 'x') {  // no backward: the clip measures no norm, and gathers the empty lists
+          us = median_us([&] { pipe->clip_grad_norm_step(fused, [] {}, kClipNorm); }, 200, 20);
+        }
+        fused.detach();
+        if (rank == 0) {
+          [[maybe_unused]] auto n = ::write(answers, &us, sizeof us);
         }
         continue;
       }
@@ -324,6 +354,23 @@ int main(int argc, char** argv) {
     vs_in_process.push_back(us[1] / us[2]);
   }
   const double agreement_us = ask('e');
+  // The clipped fused step against the unclipped one, alternating; each ratio within a round.
+  std::vector<double> fused_us, clipped_us, clip_ratios;
+  for (int round = 0; round < kRounds; ++round) {
+    double u[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      if ((round + k) % 2 == 0) {
+        u[0] = ask('f');
+      } else {
+        u[1] = ask('c');
+      }
+    }
+    fused_us.push_back(u[0]);
+    clipped_us.push_back(u[1]);
+    clip_ratios.push_back(u[1] / u[0]);
+  }
+  const auto clip_ratio = bench::summarize(clip_ratios);
+  const double gather_us = ask('x');
   // Sends every rank 'q' and reaps them all; the number that did not exit cleanly.
   auto quit = [&] {
     for (const int fd : to_pipe) {
@@ -360,6 +407,15 @@ int main(int argc, char** argv) {
     std::printf("  %-52s %10.1f us  (%.3f%% of the gpipe step)\n",
                 "end-of-step agreement (end_step), per step", agreement_us,
                 100.0 * agreement_us / gpipe_us);
+    std::printf("# the clipped step: pipe->clip_grad_norm_step(fused SGD, gpipe step, max_norm %g) "
+                "against the same fused step unclipped, %d rounds\n",
+                kClipNorm, kRounds);
+    bench::print_figure("distributed, gpipe, fused SGD step", bench::summarize(fused_us), "us");
+    bench::print_figure("the same, clipped (norm pass + update pass)",
+                        bench::summarize(clipped_us), "us");
+    bench::print_figure("clipped / unclipped step", clip_ratio, "x");
+    // Timed alone (median of 200) after the rounds: a clip whose closure runs nothing.
+    std::printf("  %-52s %10.1f us\n", "the clip's norm gather alone (empty closure)", gather_us);
   };
   if (pipe_only) {
     const int failed = quit();
@@ -368,8 +424,8 @@ int main(int argc, char** argv) {
     std::printf(
         "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
         "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=nan dp_speedup=nan "
-        "dp_overlap=nan pp_dp_speedup=nan\n",
-        speedup.median, ofob.median, ratio.median);
+        "dp_overlap=nan pp_dp_speedup=nan clip_step_ratio=%.3f\n",
+        speedup.median, ofob.median, ratio.median, clip_ratio.median);
     return failed ? 1 : 0;
   }
   // Data parallel against one process on the whole batch, alternating in rounds.
@@ -479,8 +535,8 @@ int main(int argc, char** argv) {
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
       "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f dp_speedup=%.2f "
-      "dp_overlap=%.2f pp_dp_speedup=%.2f\n",
+      "dp_overlap=%.2f pp_dp_speedup=%.2f clip_step_ratio=%.3f\n",
       speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us, dp_speedup.median,
-      dp_overlap.median, pp_dp_speedup.median);
+      dp_overlap.median, pp_dp_speedup.median, clip_ratio.median);
   return failed ? 1 : 0;
 }

@@ -30,6 +30,7 @@ namespace suite = sw::testing::transport_suite;
 using namespace std::chrono_literals;
 
 static_assert(sw::runtime::pipe_transport<sw::runtime::C10dTransport>);
+static_assert(sw::runtime::value_gathering_transport<sw::runtime::C10dTransport>);
 
 TEST_SUITE("shared transport tests") {
   TEST_CASE("C10dTransport passes them on two ranks in two processes") {

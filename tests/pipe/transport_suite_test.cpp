@@ -26,6 +26,9 @@ namespace sw = stagewise;
 namespace suite = sw::testing::transport_suite;
 
 static_assert(sw::runtime::pipe_transport<sw::runtime::MailboxTransport>);
+static_assert(sw::runtime::value_gathering_transport<sw::runtime::MailboxTransport>);
+// The wire has no gather_values: a clipped step's norms cross through its text gather.
+static_assert(!sw::runtime::value_gathering_transport<sw::testing::WireEnd>);
 
 namespace {
 

@@ -8,6 +8,8 @@
 // has one process (every stage in it) or two (stage j on rank j).
 //   run_on_every_rank([&](int rank) { transport_suite::run_all(rank, make_for(rank), dir); });
 
+#include "stagewise/optim/clip.hpp"
+#include "stagewise/optim/fused_step.hpp"
 #include "stagewise/pipe.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/zero_bubble.hpp"
@@ -142,11 +144,45 @@ void save_and_load(Make make, const std::string& dir) {
   }
 }
 
+/// Two clipped steps (`pipe->clip_grad_norm_step` around the fused train_step: every rank's
+/// gradient norms cross through `runtime::gather_values`, the transport's own or, without it, its
+/// text `gather`) total the one-process pipe's norm bit for bit, on every rank, and leave this
+/// rank's parameters as the one-process pipe leaves them.
+template <class Make>
+void clip_equals_one_process(Make make) {
+  const auto options = PipeOptions().chunks(4);
+  auto ref = Pipe(model(), two_stages(), options);
+  auto pipe = make(model(), two_stages(), options);
+  const auto sgd = torch::optim::SGDOptions(0.1);
+  optim::FusedStep fused(pipe->named_parameters(), sgd), ref_fused(ref->named_parameters(), sgd);
+  const int rank = pipe->processes().rank;
+  for (int step = 0; step < 2; ++step) {
+    const auto x = pattern(8, 6, 10.0 + step);
+    const auto y = pattern(8, 3, 20.0 + step);
+    const auto [in, target] = batch_for(pipe, step);
+    const auto got = pipe->clip_grad_norm_step(
+        fused, [&] { pipe->train_step(in, target, mse, fused); }, 0.05);
+    const auto want = ref->clip_grad_norm_step(
+        ref_fused, [&] { ref->train_step(x, y, mse, ref_fused); }, 0.05);
+    TORCH_CHECK(want.total_norm > 0.05, "step ", step, " does not clip (norm ", want.total_norm,
+                ")");
+    TORCH_CHECK(got.total_norm == want.total_norm, "rank ", rank, " step ", step,
+                ": total norm ", got.total_norm, " but the one-process pipe's is ",
+                want.total_norm);
+  }
+  const auto theirs = ref->named_parameters();
+  for (const auto& p : pipe->named_parameters()) {
+    TORCH_CHECK(torch::equal(p.value(), theirs[p.key()]), "rank ", rank, ": ", p.key(),
+                " differs from the one-process pipe's after two clipped steps");
+  }
+}
+
 /// Every check, in order, the failure last (a transport between processes may not outlive a
 /// failure: make() may then need a fresh connection). Every rank runs the same.
 template <class Make>
 void run_all(Make make, const std::string& dir) {
   equals_one_process(make);
+  clip_equals_one_process(make);
   save_and_load(make, dir);
   failure_reaches_every_rank(make);
 }

@@ -184,12 +184,14 @@ class PipeOverImpl : public detail::PlacedStages {
   /// its stages run: the fused step's norms of every process's stages (with data-parallel
   /// replicas, of the averaged gradients, counted once) are totalled in stage order, so every
   /// rank clips alike, by the one-process pipe's norm. Every rank calls it with the same max_norm.
+  /// The norms cross processes through the transport's `runtime::gather_values` (over the process
+  /// group for `distributed::Pipe`: nothing is left in the job's store).
   ///   auto r = pipe->clip_grad_norm_step(fused, [&] { pipe->train_step(x, y, f, fused); }, 1.0);
   template <optim::loss_closure F>
   optim::ClipStepResult clip_grad_norm_step(optim::FusedStep& fused, F&& closure, double max_norm,
                                             double norm_type = 2.0) {
-    auto gather = [this](const std::string& what, const std::string& mine) {
-      return transport_->gather(who_ + "::" + what, mine);
+    auto gather = [this](const std::string& what, const torch::Tensor& values) {
+      return runtime::gather_values(*transport_, who_ + "::" + what, values);
     };
     return optim::clip_grad_norm_step(
         fused, std::forward<F>(closure), max_norm, norm_type,

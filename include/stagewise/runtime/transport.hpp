@@ -10,6 +10,8 @@
 
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <string>
@@ -74,7 +76,8 @@ struct Traffic {
 ///   its optimizer) that failed elsewhere; in one process it returns at once;
 /// - `error()`: the step's first error given to `abort` (null if none), read after the step;
 /// - `traffic()`: what crossed processes so far.
-/// A type missing one of these is refused at compile time, naming the expression.
+/// A type missing one of these is refused at compile time, naming the expression. One more call
+/// is optional (`value_gathering_transport`): `gather_values`, which a clipped step uses.
 ///   static_assert(stagewise::runtime::pipe_transport<stagewise::runtime::MailboxTransport>);
 template <class T>
 concept pipe_transport = transport<T> && requires(T& t, const T& ct, const schedule::Plan& plan,
@@ -89,5 +92,60 @@ concept pipe_transport = transport<T> && requires(T& t, const T& ct, const sched
   { ct.error() } -> std::same_as<std::exception_ptr>;
   { ct.traffic() } -> std::same_as<Traffic>;
 };
+
+/// A `pipe_transport` that also gathers numbers on its own: `gather_values(what, values)` returns
+/// every process's `values` (a 1-D float64 tensor on the CPU, whose length may differ between
+/// processes) in rank order, exactly, once every process has given its own (every process makes
+/// the same calls in the same order, between steps; `what` names the call in errors); one
+/// process: `{values}`. A clipped step (`pipe->clip_grad_norm_step`) gathers the gradient norms
+/// with it, once per step: `C10dTransport` over the process group (an all-gather), not the store.
+/// Optional: without it, the pipe sends the numbers through `gather` as exact text
+/// (`gather_values_as_text`).
+///   static_assert(stagewise::runtime::value_gathering_transport<stagewise::runtime::C10dTransport>);
+template <class T>
+concept value_gathering_transport =
+    pipe_transport<T> && requires(T& t, const std::string& what, const torch::Tensor& values) {
+  { t.gather_values(what, values) } -> std::same_as<std::vector<torch::Tensor>>;
+};
+
+/// `gather_values` through a transport's text `gather`: each number written exactly ("%a", read
+/// back with strtod), so every process gets the same doubles, bit for bit.
+///   auto all = stagewise::runtime::gather_values_as_text(t, "my exchange", torch::tensor({1.5}));
+template <pipe_transport T>
+std::vector<torch::Tensor> gather_values_as_text(T& t, const std::string& what,
+                                                 const torch::Tensor& values) {
+  const auto mine = values.to(torch::kCPU, torch::kDouble).contiguous();
+  std::string text;
+  char buf[64];
+  for (std::int64_t i = 0; i < mine.numel(); ++i) {
+    std::snprintf(buf, sizeof buf, "%a ", mine.data_ptr<double>()[i]);
+    text += buf;
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& theirs : t.gather(what, text)) {
+    std::vector<double> v;
+    for (const char* p = theirs.c_str(); *p != '\0';) {
+      char* end = nullptr;
+      const double d = std::strtod(p, &end);
+      if (end == p) break;
+      v.push_back(d);
+      p = end;
+    }
+    out.push_back(torch::tensor(v, torch::kDouble));
+  }
+  return out;
+}
+
+/// Every process's `values` as `value_gathering_transport` says: through the transport's own
+/// `gather_values` where it has one, else through its `gather` as text.
+template <pipe_transport T>
+std::vector<torch::Tensor> gather_values(T& t, const std::string& what,
+                                         const torch::Tensor& values) {
+  if constexpr (value_gathering_transport<T>) {
+    return t.gather_values(what, values);
+  } else {
+    return gather_values_as_text(t, what, values);
+  }
+}
 
 }  // namespace stagewise::runtime

@@ -14,12 +14,10 @@
 #include <torch/types.h>
 
 #include <cstddef>
-#include <cstdio>
-#include <cstdlib>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,30 +35,112 @@ inline void refuse_local_clip(optim::FusedStep& fused, const runtime::Processes&
               "which clips every rank by the whole model's norm");
 }
 
-// A double as text, exactly ("%a"), and back.
-inline std::string exact_text(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%a", v);
-  return buf;
+// What each process sends in a clip's norm gather, as float64 numbers (exact for every norm's
+// dtype): max_norm, norm_type, how many of the fused step's parameters lie outside this
+// process's stages, how many it has; then per stage it runs, the stage's index j, the count k of
+// its norms and k pairs (dtype code, norm), in the stage's parameter order.
+constexpr std::int64_t kNormHeader = 4;
+
+// This process's numbers: `stage_params[j]` stage j's parameters (empty: not here), `fused` the
+// fused step's, `mine` their norms (undefined: no gradient this step, not sent).
+inline torch::Tensor norm_values(const runtime::Processes& here,
+                                 const std::vector<std::vector<torch::Tensor>>& stage_params,
+                                 const std::vector<torch::Tensor>& fused,
+                                 const std::vector<torch::Tensor>& mine, double max_norm,
+                                 double norm_type) {
+  // Each fused parameter's place in this process's stages.
+  std::map<const void*, std::size_t> index;  // TensorImpl -> fused index
+  for (std::size_t i = 0; i < fused.size(); ++i) index[fused[i].unsafeGetTensorImpl()] = i;
+  std::size_t placed = 0;
+  std::vector<double> v{max_norm, norm_type, 0.0, static_cast<double>(fused.size())};
+  for (std::size_t j = 0; j < stage_params.size(); ++j) {
+    if (!here.runs(j)) continue;
+    v.push_back(static_cast<double>(j));
+    const std::size_t count_at = v.size();
+    v.push_back(0.0);
+    for (const auto& p : stage_params[j]) {
+      auto it = index.find(p.unsafeGetTensorImpl());
+      if (it == index.end()) continue;  // not stepped by this fused step: not clipped either
+      ++placed;
+      const auto& n = mine.at(it->second);
+      if (!n.defined()) continue;  // no gradient this step
+      v.push_back(static_cast<double>(static_cast<int>(n.scalar_type())));
+      v.push_back(n.detach().to(torch::kCPU, torch::kDouble).item<double>());
+      v[count_at] += 1.0;
+    }
+  }
+  // Every rank then fails with it rather than clipping by a part.
+  v[2] = static_cast<double>(fused.size() - placed);
+  return torch::tensor(v, torch::kDouble);
 }
-inline double exact_value(const std::string& s) {
-  return std::strtod(s.c_str(), nullptr);
+
+// The norms to total from every process's numbers (`all`, in rank order): each stage's from the
+// first process that sent it, in stage order; every refusal on every process alike.
+inline std::vector<torch::Tensor> stage_norms(const std::vector<torch::Tensor>& all,
+                                             std::size_t stages, double max_norm,
+                                             double norm_type, const std::string& where) {
+  std::vector<const double*> at(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    TORCH_CHECK(all[r].scalar_type() == torch::kDouble && all[r].numel() >= kNormHeader, where,
+                ": rank ", r, "'s gradient norms are garbled; every rank must run the same program");
+    at[r] = all[r].data_ptr<double>();
+  }
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    TORCH_CHECK(at[r][2] == 0, where, ": on rank ", r, ", the fused step has ",
+                static_cast<std::int64_t>(at[r][2]), " of its ",
+                static_cast<std::int64_t>(at[r][3]),
+                " parameters outside this rank's stages; build it over pipe->parameters() (or a "
+                "part of them)");
+  }
+  // Stage j's norms: k pairs from `first[j]` on, from the first rank that runs it.
+  std::vector<const double*> first(stages, nullptr);
+  std::vector<std::int64_t> count(stages, 0);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    const double* v = at[r];
+    TORCH_CHECK(v[0] == max_norm && v[1] == norm_type, where, ": rank ", r,
+                " clips with max_norm ", v[0], " and norm_type ", v[1], " but this rank with ",
+                max_norm, " and ", norm_type, "; every rank must pass the same");
+    const std::int64_t n = all[r].numel();
+    for (std::int64_t i = kNormHeader; i < n;) {
+      const auto j = static_cast<std::int64_t>(v[i]);
+      const auto k = i + 1 < n ? static_cast<std::int64_t>(v[i + 1]) : -1;
+      TORCH_CHECK(k >= 0 && i + 2 + 2 * k <= n, where, ": rank ", r,
+                  "'s gradient norms are garbled; every rank must run the same program");
+      TORCH_CHECK(j >= 0 && static_cast<std::size_t>(j) < stages, where, ": rank ", r,
+                  " sent the norms of stage ", j, " of a pipe of ", stages, " stages");
+      if (first[static_cast<std::size_t>(j)] == nullptr) {
+        first[static_cast<std::size_t>(j)] = v + i + 2;
+        count[static_cast<std::size_t>(j)] = k;
+      }
+      i += 2 + 2 * k;
+    }
+  }
+  std::vector<torch::Tensor> norms;
+  for (std::size_t j = 0; j < stages; ++j) {
+    TORCH_CHECK(first[j] != nullptr, where, ": no rank sent the gradient norms of stage ", j);
+    for (std::int64_t e = 0; e < count[j]; ++e) {
+      const auto dtype = static_cast<c10::ScalarType>(static_cast<int>(first[j][2 * e]));
+      norms.push_back(torch::full({}, first[j][2 * e + 1], torch::kDouble).to(dtype));
+    }
+  }
+  return norms;
 }
 
 // The NormGather of a clip on a pipe: `here` (the transport's processes), `stages` the pipe's
-// (null: another process's), `fused` the fused step's parameters, `gather`
-// the transport's gather (every process's text in rank order). Null in one process: the fused
-// step's own order is the pipe's. Otherwise each process sends, per stage it runs, the norms of
-// the stage's parameters (in the stage's parameter order, those in the fused step with a
-// gradient), exactly; every process then takes each stage's norms from the first process (in rank
-// order) that runs it (with data-parallel replicas: the first replica's, whose averaged gradients
-// every replica shares) and lists them in stage order: the list a one-process pipe's fused step
-// over pipe->parameters() totals. max_norm and norm_type must be the same on every process.
+// (null: another process's), `fused` the fused step's parameters, `gather` the transport's
+// `runtime::gather_values` (every process's numbers in rank order; over a process group, not a
+// store, for C10dTransport). Null in one process: the fused step's own order is the pipe's.
+// Otherwise each process sends, per stage it runs, the norms of the stage's parameters (in the
+// stage's parameter order, those in the fused step with a gradient), exactly; every process then
+// takes each stage's norms from the first process (in rank order) that runs it (with
+// data-parallel replicas: the first replica's, whose averaged gradients every replica shares)
+// and lists them in stage order: the list a one-process pipe's fused step over
+// pipe->parameters() totals. max_norm and norm_type must be the same on every process.
 inline optim::NormGather stage_norm_gather(
     const runtime::Processes& here,
     const std::vector<std::unique_ptr<runtime::StageRuntime>>& stages,
     std::vector<torch::Tensor> fused,
-    std::function<std::vector<std::string>(const std::string&, const std::string&)> gather,
+    std::function<std::vector<torch::Tensor>(const std::string&, const torch::Tensor&)> gather,
     double max_norm, double norm_type, std::string where) {
   if (here.count == 1) return nullptr;
   std::vector<std::vector<torch::Tensor>> stage_params(stages.size());  // empty: not here
@@ -70,77 +150,9 @@ inline optim::NormGather stage_norm_gather(
   return [here, stage_params = std::move(stage_params), fused = std::move(fused),
           gather = std::move(gather), max_norm, norm_type,
           where = std::move(where)](const std::vector<torch::Tensor>& mine) {
-    // Each fused parameter's place in this process's stages.
-    std::map<const void*, std::size_t> index;  // TensorImpl -> fused index
-    for (std::size_t i = 0; i < fused.size(); ++i) index[fused[i].unsafeGetTensorImpl()] = i;
-    std::size_t placed = 0;
-    std::ostringstream text;
-    text << exact_text(max_norm) << " " << exact_text(norm_type) << "\n";
-    for (std::size_t j = 0; j < stage_params.size(); ++j) {
-      if (!here.runs(j)) continue;
-      text << j;
-      for (const auto& p : stage_params[j]) {
-        auto it = index.find(p.unsafeGetTensorImpl());
-        if (it == index.end()) continue;  // not stepped by this fused step: not clipped either
-        ++placed;
-        const auto& n = mine.at(it->second);
-        if (!n.defined()) continue;  // no gradient this step
-        text << " " << static_cast<int>(n.scalar_type()) << ":"
-             << exact_text(n.detach().to(torch::kCPU, torch::kDouble).item<double>());
-      }
-      text << "\n";
-    }
-    std::string mine_text = text.str();
-    if (placed != fused.size()) {
-      // Sent in place of the norms, so that every rank fails with it rather than waiting.
-      mine_text = "!the fused step has " + std::to_string(fused.size() - placed) + " of its " +
-                  std::to_string(fused.size()) +
-                  " parameters outside this rank's stages; build it over pipe->parameters() "
-                  "(or a part of them)";
-    }
-    const auto all = gather("clip_grad_norm_step", mine_text);
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      TORCH_CHECK(all[r].empty() || all[r][0] != '!', where, ": on rank ", r, ", ",
-                  all[r].substr(1));
-    }
-    // Stage j's norms, from the first rank that runs it.
-    std::vector<std::string> stage_text(stage_params.size());
-    std::vector<bool> found(stage_params.size(), false);
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      std::istringstream in(all[r]);
-      std::string line;
-      std::getline(in, line);
-      std::istringstream head(line);
-      std::string m, t;
-      head >> m >> t;
-      TORCH_CHECK(exact_value(m) == max_norm && exact_value(t) == norm_type, where, ": rank ", r,
-                  " clips with max_norm ", exact_value(m), " and norm_type ", exact_value(t),
-                  " but this rank with ", max_norm, " and ", norm_type,
-                  "; every rank must pass the same");
-      while (std::getline(in, line)) {
-        std::istringstream s(line);
-        std::size_t j = 0;
-        s >> j;
-        TORCH_CHECK(j < stage_params.size(), where, ": rank ", r, " sent the norms of stage ", j,
-                    " of a pipe of ", stage_params.size(), " stages");
-        if (found[j]) continue;
-        found[j] = true;
-        std::getline(s, stage_text[j]);
-      }
-    }
-    std::vector<torch::Tensor> norms;
-    for (std::size_t j = 0; j < stage_params.size(); ++j) {
-      TORCH_CHECK(found[j], where, ": no rank sent the gradient norms of stage ", j);
-      std::istringstream s(stage_text[j]);
-      std::string entry;
-      while (s >> entry) {
-        const auto colon = entry.find(':');
-        const auto dtype = static_cast<c10::ScalarType>(std::stoi(entry.substr(0, colon)));
-        norms.push_back(
-            torch::full({}, exact_value(entry.substr(colon + 1)), torch::kDouble).to(dtype));
-      }
-    }
-    return norms;
+    const auto all = gather("clip_grad_norm_step",
+                            norm_values(here, stage_params, fused, mine, max_norm, norm_type));
+    return stage_norms(all, stage_params.size(), max_norm, norm_type, where);
   };
 }
 

@@ -16,7 +16,8 @@ namespace stagewise::runtime {
 /// exchange: every rank of the job calls it with the same key, and no call reuses one; over a
 /// group inside a larger job, `runtime::subgroup`, every rank of the whole job takes part).
 /// Returns on each rank once it has read all of them; the rank serving the store also waits (bounded by `timeout`)
-/// until every rank has read them, so it may exit right after. A rank that has not written its
+/// until every rank has read them, so it may exit right after, and then deletes the exchange's
+/// keys (the store does not grow with the number of exchanges). A rank that has not written its
 /// text within `timeout` is an error naming it and `what`, on every rank that waits for it.
 ///   auto steps = stagewise::runtime::gather_text(c, "job/load/1", std::to_string(step),
 ///                                                std::chrono::seconds(30), "Pipe::load");
@@ -47,8 +48,13 @@ inline std::vector<std::string> gather_text(const Connection& c, const std::stri
   if (c.serves_store) {
     std::vector<std::string> all;
     for (int r = 0; r < world; ++r) all.push_back(read_key(r));
-    while (!c.store->check(all) && std::chrono::steady_clock::now() < deadline) {
+    bool read = false;
+    while (!(read = c.store->check(all)) && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (int r = 0; r < world && read; ++r) {  // nobody reads them again
+      c.store->deleteKey(value_key(r));
+      c.store->deleteKey(read_key(r));
     }
   }
   return out;

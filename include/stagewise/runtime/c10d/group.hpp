@@ -99,6 +99,9 @@ struct Connection {
   /// by every rank of the job. Empty and 0: the group is the whole job.
   std::vector<int> job_ranks = {};
   int job_size = 0;
+  /// For a group inside a larger job: the whole job's collectives (what a pipe agrees on across
+  /// the job between steps goes over them, e.g. the clip's gradient norms); empty otherwise.
+  Collectives job_collectives = {};
 
   /// The job rank of this group's rank `r`.
   int job_rank(int r) const {
@@ -106,6 +109,11 @@ struct Connection {
   }
   /// The number of ranks of the whole job.
   int job_world() const { return job_size > 0 ? job_size : env.world_size; }
+  /// The whole job's collectives, in job-rank order: this group's when it is the job, else
+  /// `job_collectives` (empty where the caller built the connection without them).
+  const Collectives& across_job() const {
+    return job_ranks.empty() ? collectives : job_collectives;
+  }
 };
 
 /// Which c10d process group `connect` builds: Gloo (CPU tensors; every LibTorch) or NCCL (CUDA

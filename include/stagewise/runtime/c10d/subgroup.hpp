@@ -18,7 +18,8 @@ namespace stagewise::runtime {
 /// order; this process must be one of them), over the job's store under the key prefix `name`,
 /// which must differ between the job's groups. Only the members call it, all with the same
 /// arguments. The result keeps the job's store unprefixed (a failure published by any rank of the
-/// job reaches every group), and errors and failures name job ranks (`Connection::job_ranks`).
+/// job reaches every group) and the job's collectives (`Connection::across_job`), and errors and
+/// failures name job ranks (`Connection::job_ranks`).
 ///   auto row = stagewise::runtime::subgroup(job, {0, 1}, "stagewise/replica0");
 inline Connection subgroup(const Connection& job, std::vector<int> members, const std::string& name,
                            const ConnectOptions& options = {}) {
@@ -45,7 +46,8 @@ inline Connection subgroup(const Connection& job, std::vector<int> members, cons
                     job.serves_store,
                     std::move(collectives),
                     std::move(job_ranks),
-                    job.job_world()};
+                    job.job_world(),
+                    job.across_job()};
 }
 
 }  // namespace stagewise::runtime

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/core/error_context.hpp"
+#include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/detail/failure_watch.hpp"
 #include "stagewise/runtime/c10d/detail/header.hpp"
 #include "stagewise/runtime/c10d/detail/link.hpp"
@@ -31,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
@@ -135,11 +137,32 @@ class C10dTransport {
   }
 
   /// Every rank's `mine` (every rank of the job, in job-rank order), through the job's store
-  /// (`gather_text`); every rank makes the same calls in the same order. `what` names the call
-  /// in errors.
+  /// (`gather_text`, which deletes its keys once all have read them); every rank makes the same
+  /// calls in the same order. `what` names the call in errors. Saves and loads agree with it.
   std::vector<std::string> gather(const std::string& what, const std::string& mine) {
     return gather_text(connection_, options_.prefix() + "/gather/" + std::to_string(++gathers_),
                        mine, options_.timeout(), what);
+  }
+
+  /// Every rank's `values` (a 1-D float64 tensor of any length; every rank of the job, in job-rank
+  /// order), exactly, over the job's process group (`Connection::across_job`; one all-gather once
+  /// the lengths are known, `all_gather_values`), not the store: what a clipped step exchanges.
+  /// Failures as for `wait_collective`. Every rank makes the same calls in the same order, between
+  /// steps. Over a connection built without collectives it goes through `gather` as text.
+  ///   auto all = t.gather_values("my exchange", torch::tensor({1.5}, torch::kDouble));
+  std::vector<torch::Tensor> gather_values(const std::string& what, const torch::Tensor& values) {
+    const auto& job = connection_.across_job();
+    if (!job) return gather_values_as_text(*this, what, values);
+    std::vector<int> members(static_cast<std::size_t>(job.size()));
+    std::iota(members.begin(), members.end(), 0);
+    // On the transport's own group (the job's), started under the lock of its sends and receives.
+    const auto waited_for = what + " (every rank must call it)";
+    return all_gather_values(
+        job, values, options_.device(),
+        [&](const c10::intrusive_ptr<c10d::Work>& work) {
+          wait_collective(work, members, waited_for);
+        },
+        value_room_, connection_.job_ranks.empty() ? &link_.post : nullptr);
   }
 
   /// The messages and tensor bytes this rank sent to and received from other ranks since the
@@ -421,6 +444,7 @@ class C10dTransport {
   std::unique_ptr<MailboxTransport> local_;  // this step's, between stages of this process
   std::vector<int> placement_;  // every stage's rank; empty: built with a rank_of function
   std::int64_t gathers_ = 0;    // gather calls so far
+  std::int64_t value_room_ = 0;  // numbers per rank gather_values sends (all_gather_values)
   std::function<int(int)> rank_of_;
   std::vector<schedule::SkipRoute> routes_;
   std::optional<schedule::Plan> verified_;  // the last plan begin_step verified, with routes_
