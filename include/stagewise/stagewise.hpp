@@ -69,6 +69,7 @@
 #include "stagewise/stage/block_partition.hpp"
 #include "stagewise/stage/concepts.hpp"
 #include "stagewise/stage/memory_meter.hpp"
+#include "stagewise/stage/memory_profile.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/profile.hpp"
 #include "stagewise/stage/seq.hpp"

@@ -4,6 +4,7 @@
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
+#include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/worker_memory.hpp"
 #include "stagewise/stage/partition.hpp"

@@ -34,9 +34,7 @@
 #include <utility>
 #include <vector>
 
-namespace stagewise {
-
-namespace detail {
+namespace stagewise::detail {
 
 // The first `rows` rows of every tensor of `batch`: one micro-batch.
 inline Batch first_rows(const Batch& batch, std::int64_t rows) {
@@ -344,5 +342,4 @@ class PipelinePlanner {
   std::vector<std::string> skipped_;  // why a schedule was not weighed (once each)
 };
 
-}  // namespace detail
-}  // namespace stagewise
+}  // namespace stagewise::detail

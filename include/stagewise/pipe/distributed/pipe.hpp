@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/pipe/distributed/detail/agreed_plan.hpp"
 #include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
@@ -337,16 +338,26 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
        PipeOptions options = {}, Options dist = {})
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
             std::move(connection), seq, b, std::move(options), std::move(dist))) {}
-  /// The pipeline `plan` describes (`plan_pipeline` for its number of ranks per replica):
-  /// its split, micro-batches, checkpoint modes, offloads, and the schedule `train_step` runs,
-  /// whose placement puts the stages on ranks. Rendezvouses from the environment.
-  ///   sw::distributed::Pipe pipe(model, sw::plan_pipeline(model, batch, options));
+  /// The pipeline `plan` describes (`plan_pipeline` for its number of ranks per replica, with
+  /// a replica's rows): its split, micro-batches, checkpoint modes, offloads, and the schedule
+  /// `train_step` runs, whose placement puts the stages on ranks. Every rank runs rank 0's plan
+  /// (each plans on its own profiles; where two candidates are close, ranks may choose
+  /// differently). Rendezvouses from the environment.
+  ///   sw::distributed::Pipe pipe(model, sw::plan_pipeline(model, x, y, loss_fn, options));
   Pipe(const torch::nn::Sequential& seq, const PipelinePlan& plan, Options dist = {})
-      : Pipe(seq, plan.split, plan.options(), std::move(dist)) {}
+      : Pipe(runtime::connect(runtime::rendezvous_env(), dist.connect()), seq, plan, dist) {}
   /// The same over a job the caller already joined.
   Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const PipelinePlan& plan,
        Options dist = {})
-      : Pipe(std::move(connection), seq, plan.split, plan.options(), std::move(dist)) {}
+      : Pipe(connection, seq,
+             detail::agreed_plan(connection, plan, dist.transport().prefix() + "/plan",
+                                 dist.connect().timeout),
+             dist, 0) {}
+
+ private:
+  Pipe(const runtime::Connection& connection, const torch::nn::Sequential& seq,
+       const PipelinePlan& agreed, const Options& dist, int)
+      : Pipe(connection, seq, agreed.split, agreed.options(), dist) {}
 };
 
 }  // namespace stagewise::distributed

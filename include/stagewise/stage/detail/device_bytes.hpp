@@ -18,6 +18,14 @@
 
 namespace stagewise::detail {
 
+#if defined(STAGEWISE_WITH_CUDA)
+// The caching allocator's statistics of one GPU (entry 0 of each: StatType::AGGREGATE, all
+// pools; the statistics' type moved between LibTorch versions).
+inline auto cuda_stats(c10::DeviceIndex index) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+}
+#endif
+
 class DeviceBytes {
  public:
   DeviceBytes(torch::Device device, const char* who) : device_(device) {
@@ -37,13 +45,13 @@ class DeviceBytes {
 
   std::int64_t current() const {
 #if defined(STAGEWISE_WITH_CUDA)
-    if (device_.is_cuda()) return stats().allocated_bytes[0].current;
+    if (device_.is_cuda()) return cuda_stats(index_).allocated_bytes[0].current;
 #endif
     return counting_->current();
   }
   std::int64_t peak() const {
 #if defined(STAGEWISE_WITH_CUDA)
-    if (device_.is_cuda()) return stats().allocated_bytes[0].peak;
+    if (device_.is_cuda()) return cuda_stats(index_).allocated_bytes[0].peak;
 #endif
     return CountingCpuAllocator::instance().peak();
   }
@@ -59,10 +67,6 @@ class DeviceBytes {
 
  private:
 #if defined(STAGEWISE_WITH_CUDA)
-  // Entry 0 of each statistic is StatType::AGGREGATE (all pools).
-  auto stats() const {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(index_);
-  }
   c10::DeviceIndex index_ = 0;
 #endif
   torch::Device device_;
