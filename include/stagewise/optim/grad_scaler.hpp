@@ -9,7 +9,7 @@
 #include "stagewise/optim/fused_step.hpp"
 
 #include <c10/util/Exception.h>
-#include <torch/nn/pimpl.h>
+#include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
