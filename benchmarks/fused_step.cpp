@@ -5,8 +5,10 @@
 // and Adam. Memory: every live CPU tensor byte (counting allocator), parameters and optimizer
 // state included. Time: median step time; "no step" (forward and backward only), standard and
 // fused alternate in rounds so that load from other processes hits all alike; ratios are taken
-// round by round and printed as median [min, max]. The header prints the conditions (BLAS
-// loaded, load average, ...); the last line is the summary.
+// round by round and printed as median [min, max]. The scaler row: Adam fused and clipped
+// (clip_grad_norm_step, two passes) with and without an amp::GradScaler, whose unscale and
+// inf/NaN check ride the norm pass. The header prints the conditions (BLAS loaded, load
+// average, ...); the last line is the summary.
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/memory.hpp"
@@ -154,6 +156,66 @@ Times measure_time(const std::string& kind, int rounds) {
   return t;
 }
 
+// The fused, clipped Adam step (clip_grad_norm_step's two passes), with or without a scaler.
+struct ClippedSetup {
+  torch::nn::Sequential mlp = make_mlp();
+  torch::Tensor x = torch::randn({kBatch, kWidth});
+  torch::Tensor y = torch::randn({kBatch, kWidth});
+  sw::optim::FusedStep fused{mlp->parameters(), torch::optim::AdamOptions(1e-4)};
+  std::unique_ptr<sw::amp::GradScaler> scaler;
+
+  explicit ClippedSetup(bool scaled) {
+    if (scaled) scaler = std::make_unique<sw::amp::GradScaler>();
+    step();  // the optimizer state, and the scaler's scale
+  }
+  void step() {
+    auto closure = [this] { return torch::mse_loss(mlp->forward(x), y); };
+    if (scaler) {
+      sw::optim::clip_grad_norm_step(fused, closure, 1.0, *scaler);
+      scaler->update();
+    } else {
+      sw::optim::clip_grad_norm_step(fused, closure, 1.0);
+    }
+    fused.finish_step();
+  }
+};
+
+// Alternating rounds of the clipped step without and with the scaler: the wall time (and the
+// thread's CPU time) of one step after a warm-up each round; prints the table and returns the
+// per-round ratios of wall time (scaled / plain).
+bench::Summary measure_scaler(int rounds) {
+  ClippedSetup plain(false), scaled(true);
+  ClippedSetup* setups[2] = {&plain, &scaled};
+  std::vector<double> wall[2], cpu[2], ratio, cpu_ratio;
+  for (int r = 0; r < rounds; ++r) {
+    for (int m = 0; m < 2; ++m) {
+      double spent = 0;
+      wall[m].push_back(bench::median_us(
+          [&] {
+            const double t0 = thread_cpu_us();
+            setups[m]->step();
+            spent = thread_cpu_us() - t0;
+          },
+          1, 1));
+      cpu[m].push_back(spent);
+    }
+    ratio.push_back(wall[1].back() / wall[0].back());
+    cpu_ratio.push_back(cpu[1].back() / cpu[0].back());
+  }
+  const char* rows[2] = {"clipped", "+scaler"};
+  for (int m = 0; m < 2; ++m) {
+    const auto w = bench::summarize(wall[m]);
+    std::printf("%-5s %-9s %11s %10s %15s %9.1f %9.1f %9.1f %9.1f\n", "adam", rows[m], "", "", "",
+                w.min / 1000, w.median / 1000, w.max / 1000, bench::summarize(cpu[m]).median / 1000);
+  }
+  const auto t = bench::summarize(ratio), c = bench::summarize(cpu_ratio);
+  std::printf(
+      "adam  scaler: fused clipped step with / without amp::GradScaler, wall time %.3f [%.3f, "
+      "%.3f], cpu time %.3f [%.3f, %.3f] (median [min, max] of %d alternating rounds)\n",
+      t.median, t.min, t.max, c.median, c.min, c.max, rounds);
+  return t;
+}
+
 double mib(long long bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
@@ -207,8 +269,11 @@ int main(int argc, char** argv) {
         (t.cpu_us[2].median - t.cpu_us[0].median) / 1000);
     if (kind == "adam") adam_time_ratio = t.wall_ratio.median;
   }
+  const bench::Summary scaler = measure_scaler(rounds);
   conditions.print_end();
-  std::printf("fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f\n",
-              peak_ratio[0], peak_ratio[1], adam_time_ratio);
+  std::printf(
+      "fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f "
+      "scaler_time_ratio=%.3f\n",
+      peak_ratio[0], peak_ratio[1], adam_time_ratio, scaler.median);
   return 0;
 }

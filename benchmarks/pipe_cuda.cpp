@@ -2,7 +2,7 @@
 // layers run unpipelined; the fused optimizer step against the standard one; ParallelBranches of 8
 // small experts against the same experts run one after another. Every figure is defined in
 // docs/benchmarks.md ("pipe_cuda (GPU)").
-//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcde]
+//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdef]
 // Needs a CUDA LibTorch and a GPU: without one it exits with code 2 and says so.
 //
 // (a) large: 16 x (Linear(4096,4096), GELU) in 4 stages of 4 layers, batch 1024, chunks 8 (128-row
@@ -29,10 +29,13 @@
 //     parameters and their gradients): train_step GPipe and 1F1B with checkpoint always, without
 //     and with HostStore offload (costs measured: a boundary's copy against a stage's forward),
 //     and pipe->forward + backward with except_last (torchgpipe's semantics and default).
+// (f) precision: the large model's train_step (1F1B, checkpoint never) + Adam in fp32, under bf16
+//     autocast, and under fp16 autocast with an amp::GradScaler (scaled losses, unscale_, the
+//     inf/NaN check and the scale's update on the GPU); time and peak as in (c).
 // The last line is
 //   pipe_cuda overhead_vs_loop=X ckpt_always_peak_ratio=Y branches_speedup=Z
 //             offload_peak_ratio=P offload_time_ratio=T offload_vs_torchgpipe_peak=Q
-//             offload_vs_torchgpipe_time=U
+//             offload_vs_torchgpipe_time=U fp16_time_ratio=H fp16_peak_ratio=K
 // overhead_vs_loop: (a) train_step with the 1F1B schedule, checkpoint never / the micro-batch loop,
 //   wall time, median of the per-round ratios (goal on an H100: <= 1.02);
 // ckpt_always_peak_ratio: (a) peak of train_step 1F1B with checkpoint always / with never;
@@ -42,6 +45,8 @@
 //   per-round ratios) with offload / without (goals: <= 0.5 at <= 1.05);
 // offload_vs_torchgpipe_peak, _time: (e) GPipe, always, offload / the torchgpipe-style row
 //   (goals: <= 0.6 and <= 1.05).
+// fp16_time_ratio, fp16_peak_ratio: (f) fp16 + GradScaler / fp32, wall time (median of the
+//   per-round ratios) and peak.
 // A phase that does not finish within its time limit (a hang) ends the program with code 3 after
 // printing the last line with nan for the figures not measured.
 #include <stagewise/stagewise.hpp>
@@ -206,7 +211,7 @@ struct Options {
   bool quick = false;
   bool tf32 = false;
   std::string device = "cuda:0";
-  std::string sections = "abcde";
+  std::string sections = "abcdef";
 };
 
 struct ModelSpec {
@@ -761,12 +766,103 @@ OffloadResult offload_section(const ModelSpec& spec, const Gpu& gpu, const Optio
   return out;
 }
 
+// ---- (f): fp32, bf16, fp16 with a GradScaler ---------------------------------------------------
+
+constexpr const char* kFp32 = "fp32";
+constexpr const char* kBf16 = "bf16 autocast";
+constexpr const char* kFp16 = "fp16 autocast + GradScaler";
+
+// CUDA autocast to `dtype` for its lifetime (the stage workers inherit it); none for fp32.
+struct CudaAutocast {
+  explicit CudaAutocast(std::optional<at::ScalarType> dtype) : on(dtype.has_value()) {
+    if (!on) return;
+#if STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
+    at::autocast::set_autocast_dtype(at::kCUDA, *dtype);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+#else
+    at::autocast::set_autocast_gpu_dtype(*dtype);
+    at::autocast::set_enabled(true);
+#endif
+  }
+  ~CudaAutocast() {
+    if (!on) return;
+#if STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+#else
+    at::autocast::set_enabled(false);
+#endif
+    at::autocast::clear_cache();
+  }
+  CudaAutocast(const CudaAutocast&) = delete;
+  CudaAutocast& operator=(const CudaAutocast&) = delete;
+  bool on;
+};
+
+struct PrecisionResult {
+  bench::Summary fp16_time_ratio;
+  double fp16_peak_ratio = std::nan("");
+};
+
+PrecisionResult precision_section(const ModelSpec& spec, const Gpu& gpu, const Options& opt) {
+  auto [model, params, x, t, reset, balance, devices] = section_model(spec, gpu);
+  auto pipe = sw::Pipe(model, balance,
+                       sw::PipeOptions().chunks(spec.chunks).checkpoint("never").devices(devices));
+  torch::optim::Adam adam(params, torch::optim::AdamOptions(1e-4));
+  sw::amp::GradScaler scaler;
+  const auto step = [&, reset](std::optional<at::ScalarType> dtype) {
+    return [&, reset, dtype] {
+      {
+        CudaAutocast region(dtype);
+        if (dtype == at::kHalf) {
+          pipe->train_step(x, t, mse, scaler, sw::schedule::one_f_one_b{});
+        } else {
+          pipe->train_step(x, t, mse, sw::schedule::one_f_one_b{});
+        }
+      }
+      if (dtype == at::kHalf) {
+        scaler.step(adam);
+        scaler.update();
+      } else {
+        adam.step();
+      }
+      reset();
+    };
+  };
+  const std::pair<const char*, std::optional<at::ScalarType>> kinds[] = {
+      {kFp32, std::nullopt}, {kBf16, at::kBFloat16}, {kFp16, at::kHalf}};
+  std::printf("(f) precision: %s; train_step 1F1B, checkpoint never, + Adam (lr 1e-4)\n",
+              spec.title.c_str());
+  bench::Rounds r(opt.rounds, spec.calls, /*warmup=*/2);
+  for (const auto& [name, dtype] : kinds) r.add(name, gpu.synced(step(dtype)));
+  r.run();
+  r.print();
+  PrecisionResult out;
+  out.fp16_time_ratio = r.wall_ratio(kFp16, kFp32);
+  bench::print_figure("bf16 / fp32, wall time", r.wall_ratio(kBf16, kFp32), "x");
+  bench::print_figure("fp16 + GradScaler / fp32, wall time", out.fp16_time_ratio, "x");
+  std::printf("  %-46s %10s %10s %10s\n", "variant (memory)", "base_MiB", "peak_MiB", "step_MiB");
+  Peak peaks[3];
+  for (int k = 0; k < 3; ++k) {
+    auto fn = step(kinds[k].second);
+    peaks[k] = measure_peak(gpu, reset, fn);
+    std::printf("  %-46s %10.1f %10.1f %10.1f\n", kinds[k].first, mib(peaks[k].base),
+                mib(peaks[k].peak), mib(peaks[k].peak - peaks[k].base));
+  }
+  out.fp16_peak_ratio = static_cast<double>(peaks[2].peak) / static_cast<double>(peaks[0].peak);
+  row("peak ratio bf16 / fp32", static_cast<double>(peaks[1].peak) / peaks[0].peak, "");
+  row("peak ratio fp16 + GradScaler / fp32", out.fp16_peak_ratio, "");
+  std::printf("  GradScaler: scale %g after the steps (%s)\n", scaler.get_scale(),
+              sw::detail::amp_kernels_on(gpu.device) ? "LibTorch's CUDA kernels"
+                                                     : "the plain kernels");
+  return out;
+}
+
 // ---- main --------------------------------------------------------------------------------------
 
 [[noreturn]] void usage_error(const std::string& what) {
   std::fprintf(stderr,
                "pipe_cuda: %s\nusage: pipe_cuda [--rounds N] [--quick] [--device cuda:N] "
-               "[--tf32] [--sections abcde]\n",
+               "[--tf32] [--sections abcdef]\n",
                what.c_str());
   std::exit(2);
 }
@@ -790,8 +886,8 @@ Options parse(int argc, char** argv) {
       opt.device = value("--device");
     } else if (arg == "--sections" || arg.rfind("--sections=", 0) == 0) {
       opt.sections = value("--sections");
-      if (opt.sections.empty() || opt.sections.find_first_not_of("abcde") != std::string::npos) {
-        usage_error("--sections takes letters of abcde, e.g. --sections e (got '" + opt.sections +
+      if (opt.sections.empty() || opt.sections.find_first_not_of("abcdef") != std::string::npos) {
+        usage_error("--sections takes letters of abcdef, e.g. --sections e (got '" + opt.sections +
                     "')");
       }
     } else if (arg == "--quick") {
@@ -800,12 +896,12 @@ Options parse(int argc, char** argv) {
       opt.tf32 = true;
     } else if (arg == "-h" || arg == "--help") {
       std::printf(
-          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcde]\n"
+          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdef]\n"
           "  --rounds N       alternating rounds per table (default 7; 2 with --quick)\n"
           "  --quick          small sizes, for a smoke run (its figures mean nothing)\n"
           "  --device cuda:N  the GPU (default cuda:0); every stage goes there\n"
           "  --tf32           allow TF32 in fp32 matrix products (default: LibTorch's setting)\n"
-          "  --sections abcde the sections to run (default all; the last line says nan for\n"
+          "  --sections abcdef the sections to run (default all; the last line says nan for\n"
           "                   the figures of sections left out)\n"
           "Figures: docs/benchmarks.md, section \"pipe_cuda (GPU)\".\n");
       std::exit(0);
@@ -867,15 +963,17 @@ int main(int argc, char** argv) {
   std::atomic<double> overhead{std::nan("")}, ckpt_ratio{std::nan("")}, branches{std::nan("")};
   std::atomic<double> offload_peak{std::nan("")}, offload_time{std::nan("")};
   std::atomic<double> vs_torchgpipe_peak{std::nan("")}, vs_torchgpipe_time{std::nan("")};
+  std::atomic<double> fp16_time{std::nan("")}, fp16_peak{std::nan("")};
   const auto last_line = [&] {
     conditions.print_end();
     std::printf(
         "pipe_cuda overhead_vs_loop=%s ckpt_always_peak_ratio=%s branches_speedup=%s "
         "offload_peak_ratio=%s offload_time_ratio=%s offload_vs_torchgpipe_peak=%s "
-        "offload_vs_torchgpipe_time=%s\n",
+        "offload_vs_torchgpipe_time=%s fp16_time_ratio=%s fp16_peak_ratio=%s\n",
         fmt(overhead.load()).c_str(), fmt(ckpt_ratio.load()).c_str(), fmt(branches.load()).c_str(),
         fmt(offload_peak.load()).c_str(), fmt(offload_time.load()).c_str(),
-        fmt(vs_torchgpipe_peak.load()).c_str(), fmt(vs_torchgpipe_time.load()).c_str());
+        fmt(vs_torchgpipe_peak.load()).c_str(), fmt(vs_torchgpipe_time.load()).c_str(),
+        fmt(fp16_time.load()).c_str(), fmt(fp16_peak.load()).c_str());
     std::fflush(stdout);
   };
   Watchdog watchdog([&](const std::string& what) {
@@ -934,6 +1032,14 @@ int main(int argc, char** argv) {
     offload_time = e.time_ratio.median;
     vs_torchgpipe_peak = e.torchgpipe_peak_ratio;
     vs_torchgpipe_time = e.torchgpipe_time_ratio.median;
+    std::fflush(stdout);
+  }
+
+  if (runs('f')) {
+    watchdog.phase("(f) precision", std::chrono::seconds(300));
+    const auto f = precision_section(large, gpu, opt);
+    fp16_time = f.fp16_time_ratio.median;
+    fp16_peak = f.fp16_peak_ratio;
     std::fflush(stdout);
   }
 

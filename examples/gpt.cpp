@@ -1,7 +1,8 @@
 // gpt: a byte-level decoder-only transformer (examples/gpt/model.hpp) trained on the text of
 // Debian's `fortunes` package, split into pipeline stages by measured time. The RoPE tables, the
 // causal mask and the int64 token ids are made in stage 0 and reach every block's stage as skips.
-// AdamW is fused into backward, with gradient clipping by the whole model's norm.
+// AdamW is fused into backward, with gradient clipping by the whole model's norm; --bf16 or, on
+// CUDA, --fp16 (autocast with an amp::GradScaler) train in lower precision.
 //   ./bazelw run //examples:gpt                 (one process, 2 stages; --small: a smaller model)
 //   ./bazelw build //examples:gpt && tools/launch -n 2 -- bazel-bin/examples/gpt
 // Writes to --out: loss.svg, timeline.svg, losses.csv, gpt.pt and gpt.safetensors (load them in
@@ -36,13 +37,16 @@ int train(PipeT& pipe, const gpt::Flags& f, const gpt::Corpus& corpus, int rank,
   const bool lead = rank == 0;
   sw::optim::FusedStep fused(pipe->named_parameters(),
                              torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
+  // Disabled (a no-op) unless --fp16: then each micro-batch's loss is scaled, and a step whose
+  // gradients overflow is skipped on every rank.
+  sw::amp::GradScaler scaler(sw::amp::GradScalerOptions().enabled(f.fp16));
   std::vector<gpt::LossPoint> log;
   int64_t first = 0;
   if (f.resume) {
     const auto dir = gpt::latest_save(f.out);
     TORCH_CHECK(!dir.empty(), "gpt: --resume found no save in ", f.out,
                 " (ckpt-<step>/ with rank0.pt); run without --resume first");
-    first = pipe->load(dir, fused) + 1;
+    first = pipe->load(dir, fused, scaler) + 1;
     log = gpt::read_losses(f.out + "/losses.csv", first);
     if (lead) std::printf("resumed from %s at step %lld\n", dir.c_str(), (long long)first);
   }
@@ -55,6 +59,7 @@ int train(PipeT& pipe, const gpt::Flags& f, const gpt::Corpus& corpus, int rank,
     return loss.template item<double>();
   };
   if (f.bf16) gpt::set_bf16_autocast(f.device, true);
+  if (f.fp16) gpt::set_fp16_autocast(true);
   sw::schedule::Timeline timeline;
   double seconds = 0;
   int64_t tokens = 0;
@@ -64,18 +69,20 @@ int train(PipeT& pipe, const gpt::Flags& f, const gpt::Corpus& corpus, int rank,
     torch::Tensor loss;
     auto run = [&] {
       sw::schedule::Timeline* t = last ? &timeline : nullptr;
-      loss = f.schedule == "zb"
-                 ? pipe->train_step(x, y, gpt::lm_loss, fused, sw::schedule::zero_bubble_h1{}, t)
-                 : pipe->train_step(x, y, gpt::lm_loss, fused, sw::schedule::one_f_one_b{}, t);
+      loss = f.schedule == "zb" ? pipe->train_step(x, y, gpt::lm_loss, fused, scaler,
+                                                   sw::schedule::zero_bubble_h1{}, t)
+                                : pipe->train_step(x, y, gpt::lm_loss, fused, scaler,
+                                                   sw::schedule::one_f_one_b{}, t);
     };
     const auto start = std::chrono::steady_clock::now();
     double norm = -1;
     if (f.clip > 0) {
       // The whole model's norm, also on a distributed pipe (every rank's stages).
-      norm = pipe->clip_grad_norm_step(fused, run, f.clip).total_norm;
+      norm = pipe->clip_grad_norm_step(fused, run, f.clip, scaler).total_norm;
     } else {
       run();
     }
+    scaler.update();
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     tokens += x.numel();
     gpt::LossPoint point{step, loss.item<double>(), -1};
@@ -84,21 +91,23 @@ int train(PipeT& pipe, const gpt::Flags& f, const gpt::Corpus& corpus, int rank,
       if (lead) {
         std::printf("step %4lld  train %.4f  valid %.4f  grad norm %.3f  %.0f tokens/s\n",
                     (long long)step, point.train, point.valid, norm, double(tokens) / seconds);
+        if (f.fp16) std::printf("           loss scale %g\n", scaler.get_scale());
         std::fflush(stdout);
       }
     }
     log.push_back(point);
     if ((step + 1) % f.save_every == 0 || last) {
-      pipe->save(f.out + "/ckpt-" + std::to_string(step), fused, step);
+      pipe->save(f.out + "/ckpt-" + std::to_string(step), fused, scaler, step);
       if (lead) gpt::write_losses(f.out + "/losses.csv", log);
     }
   }
   if (f.bf16) gpt::set_bf16_autocast(f.device, false);  // the probe and sample in fp32
+  if (f.fp16) gpt::set_fp16_autocast(false);
   // Each rank writes its stages' weights; the save above returned on every rank only once all
   // had saved, so it also orders this. The lead rank gathers the parts into one model.
   const auto part = gpt::to_pickle(gpt::named_tensors(*pipe, /*drop_prefix=*/true));
   gpt::write_bytes(f.out + "/weights.part" + std::to_string(rank), part.data(), part.size());
-  pipe->save(f.out + "/final", fused, f.steps - 1);  // every rank returns when all parts exist
+  pipe->save(f.out + "/final", fused, scaler, f.steps - 1);  // every rank returns when all parts exist
   if (!lead) return 0;
   gpt::NamedTensors all;
   for (int r = 0; r < ranks; ++r) {
@@ -144,11 +153,13 @@ int main(int argc, char** argv) try {
   if (std::getenv("WORLD_SIZE") != nullptr) {
     // Every rank must split the model alike: by activation size (the same on every rank), not
     // by measured time (which differs from rank to rank).
+    gpt::check_fp16(f, {});  // its stages are on the CPU
     const auto b = sw::balance_by_size(f.stages, model, sample);
     sw::distributed::Pipe pipe(model, b, options);
     return train(pipe, f, corpus, pipe->rank(), pipe->world_size());
   }
   options.devices(sw::place_stages(static_cast<std::size_t>(f.stages), f.device));
+  gpt::check_fp16(f, options.devices());
   sw::balance b;
   if (f.resume) {
     const auto saved = gpt::read_balance(f.out);

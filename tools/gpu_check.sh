@@ -14,8 +14,11 @@ LibTorch inside that torch (python3 -c 'import torch; print(torch.utils.cmake_pr
     benchmark (-DSTAGEWISE_BUILD_TESTS=ON, STAGEWISE_WITH_CUDA=ON: a CUDA LibTorch must give a
     CUDA build), and builds it all with -j N, going on past a target that fails;
   - runs CTest (--output-on-failure, each test limited to --timeout seconds): every test and
-    example, the *_cuda cases and balance_by_size on the GPU included;
+    example, the *_cuda cases and balance_by_size on the GPU included (fp16 with a GradScaler:
+    tests/pipe/scaled_cuda_test.cpp);
   - runs benchmarks/pipe_cuda and prints its output: one more case, passed when it exits with 0.
+    Its last line holds every GPU key of docs/benchmarks.md, fp16_time_ratio and fp16_peak_ratio
+    (section (f): fp32, bf16 and fp16 + GradScaler) included.
 Everything is also written to a log file, named at the start and at the end. The last line is
 `gpu_check: N passed, N failed` (CTest's tests plus the benchmark); the exit status is non-zero
 when anything failed. Without a CUDA GPU, or without a CUDA torch, it refuses (exit status 2)

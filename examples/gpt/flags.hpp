@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace gpt {
 
@@ -30,7 +31,7 @@ struct Flags {
   double expect_valid = 0;  // > 0: exit 1 unless the final validation loss is below it
   std::string schedule = "1f1b", checkpoint = "except_last", device = "auto";
   std::string out = default_out(), data = "/usr/share/games/fortunes";
-  bool bf16 = false, resume = false;
+  bool bf16 = false, fp16 = false, resume = false;
   uint64_t seed = 0;
 };
 
@@ -53,10 +54,34 @@ inline void set_bf16_autocast(const std::string& device, bool on) {
 #endif
 }
 
+/// fp16 autocast on or off for CUDA (`--fp16`, with an amp::GradScaler).
+inline void set_fp16_autocast(bool on) {
+#if STAGEWISE_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_enabled(at::kCUDA, on);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kHalf);
+#else
+  at::autocast::set_enabled(on);
+  at::autocast::set_autocast_gpu_dtype(at::kHalf);
+#endif
+}
+
+/// Refuses --fp16 where a stage is not on a CUDA GPU: fp16 training (autocast with a GradScaler)
+/// is for GPUs here; on the CPU --bf16 needs no scaler.
+inline void check_fp16(const Flags& f, const std::vector<torch::Device>& devices) {
+  if (!f.fp16) return;
+  TORCH_CHECK(!f.bf16, "gpt: --fp16 and --bf16 together; pick one");
+  bool gpu = !devices.empty();
+  for (const auto& d : devices) gpu = gpu && d.is_cuda();
+  TORCH_CHECK(gpu, "gpt: --fp16 trains in fp16 on CUDA GPUs (autocast with a GradScaler), but "
+              "this run's stages are not all on a GPU (--device=", f.device,
+              torch::cuda::is_available() ? "" : "; no CUDA GPU here",
+              "); use --bf16 on the CPU, or --device=cuda");
+}
+
 inline const char* usage =
     "usage: gpt [--steps=150] [--batch=16] [--chunks=4] [--stages=2] [--layers=4] [--dim=64]\n"
     "           [--heads=4] [--context=64] [--lr=3e-3] [--clip=1.0 (0: off)]\n"
-    "           [--schedule=1f1b|zb] [--checkpoint=always|except_last|never] [--bf16]\n"
+    "           [--schedule=1f1b|zb] [--checkpoint=always|except_last|never] [--bf16|--fp16]\n"
     "           [--device=auto|cpu|cuda|cuda:N|cpu,cuda:0] [--out=gpt_out] [--resume]\n"
     "           [--eval-every=25] [--save-every=100] [--seed=0] [--data=/usr/share/games/fortunes]\n"
     "           [--expect-valid=X (exit 1 unless the final validation loss is below X)]\n"
@@ -99,9 +124,9 @@ inline Flags parse_flags(int argc, char** argv) {
       TORCH_CHECK(!has_value, "gpt: --small is a switch; write it without a value");
       continue;
     }
-    if (name == "bf16" || name == "resume") {
+    if (name == "bf16" || name == "fp16" || name == "resume") {
       TORCH_CHECK(!has_value, "gpt: --", name, " is a switch; write it without a value");
-      (name == "bf16" ? f.bf16 : f.resume) = true;
+      (name == "bf16" ? f.bf16 : name == "fp16" ? f.fp16 : f.resume) = true;
       continue;
     }
     static const char* const known[] = {

@@ -21,6 +21,7 @@
 #include "stagewise/nn/parallel_branches.hpp"
 #include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
+#include "stagewise/optim/grad_scaler.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
 #include "stagewise/pipe.hpp"
 #include "stagewise/pipe/options.hpp"

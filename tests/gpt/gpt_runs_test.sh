@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # examples/gpt end to end: Python loads its weights with the same logits; --resume is bit for bit
 # in one process and on two ranks; the two ranks clip by the whole model's gradient norm (the
-# first step's equals the one-process run's).
+# first step's equals the one-process run's); --fp16 is refused on the CPU.
 #   gpt_runs_test.sh ALL_EXAMPLES LAUNCH LOAD_IN_PYTHON_PY
 set -euo pipefail
 examples=$1
@@ -43,4 +43,9 @@ same "$tmp/two/gpt.safetensors" "$tmp/two_resumed/gpt.safetensors"
 # A bad flag is a clear error.
 if "$examples" gpt --schedule=gpipe 2>"$tmp/err"; then echo "FAILED: a bad flag was accepted"; exit 1; fi
 grep -q "schedule takes 1f1b or zb" "$tmp/err"
+# --fp16 (autocast with a GradScaler) is for CUDA GPUs: on the CPU it is refused, naming --bf16.
+if "$examples" gpt --small --fp16 --device=cpu --out="$tmp/fp16" 2>"$tmp/err"; then
+  echo "FAILED: --fp16 ran on the CPU"; exit 1
+fi
+grep -q "fp16 trains in fp16 on CUDA GPUs .* use --bf16 on the CPU" "$tmp/err"
 echo "gpt runs: all passed"

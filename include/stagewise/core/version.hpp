@@ -14,6 +14,10 @@
 /// `at::ThreadLocalState`.
 #define STAGEWISE_AUTOCAST_BY_DEVICE_TYPE STAGEWISE_TORCH_AT_LEAST(2, 4)
 
+/// LibTorch 2.3 gave GradScaler's two kernels (`_amp_foreach_non_finite_check_and_unscale_`,
+/// `_amp_update_scale_`) a CPU implementation (before, CUDA only), with `torch.amp.GradScaler("cpu")`.
+#define STAGEWISE_AMP_CPU_KERNELS STAGEWISE_TORCH_AT_LEAST(2, 3)
+
 /// The qualifier of a `c10::Allocator::allocate` override: LibTorch 2.3 dropped its `const`.
 #if STAGEWISE_TORCH_AT_LEAST(2, 3)
 #define STAGEWISE_ALLOCATE_CONST

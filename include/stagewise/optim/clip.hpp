@@ -26,7 +26,7 @@ struct FusedStepAccess {
   // over several processes refuses it).
   static bool measuring_alone(optim::FusedStep& fused) {
     const auto& shared = fused.state().shared;
-    return shared.mode.load() == FusedMode::norm && !shared.norms_gathered;
+    return shared.mode.load() == FusedMode::norm && shared.measure_norm && !shared.norms_gathered;
   }
 };
 
@@ -38,6 +38,10 @@ struct FusedPassGuard {
     st.shared.mode.store(FusedMode::update);
     st.shared.clip_coef = torch::Tensor();
     st.shared.norms_gathered = false;
+    st.shared.measure_norm = true;
+    st.shared.in_passes = false;
+    st.shared.scaled = nullptr;
+    for (auto& slot : st.slots) slot->found_inf = torch::Tensor();
     if (done) return;
     for (auto& slot : st.slots) {
       slot->arrivals.store(0);
@@ -48,15 +52,31 @@ struct FusedPassGuard {
   }
 };
 
+// What a GradScaler brings to a two-pass step (two_pass_step): the pass state the hooks unscale
+// with, how to scale a loss the closure returns, how many losses it has scaled (to tell a closure
+// that forgot to), and the verdict on the first pass's checks: given every parameter's found_inf
+// (undefined where it got no gradient), whether the step is finite everywhere (a scaler records
+// it for update() and, over several processes, reduces it first).
+struct PassScaler {
+  ScaledPass* pass = nullptr;
+  std::function<torch::Tensor(const torch::Tensor&)> scale_loss;
+  std::function<std::int64_t()> scaled_count;
+  std::function<bool(const std::vector<torch::Tensor>& found_inf)> finite;
+};
+
 }  // namespace detail
 
 namespace optim {
 
 /// What `clip_grad_norm_step` returns: the update pass's loss (undefined when the closure runs
-/// backward itself) and the total gradient norm before clipping.
+/// backward itself; under a GradScaler, the loss before scaling), the total gradient norm before
+/// clipping, and whether the parameters stepped (false only when a GradScaler found an inf or a
+/// NaN in the first pass: then no parameter and no optimizer state changed, and the loss is the
+/// first pass's).
 struct ClipStepResult {
   torch::Tensor loss;
   double total_norm = 0.0;
+  bool stepped = true;
 };
 
 /// A closure for `clip_grad_norm_step`: returns the loss (it then runs `loss.backward()`), or
@@ -76,6 +96,127 @@ concept loss_closure = std::invocable<F&> &&
 using NormGather =
     std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& mine)>;
 
+}  // namespace optim
+
+namespace detail {
+
+// How a two-pass fused step runs: clipping (max_norm, norm_type, gather) or not, scaled or not.
+struct TwoPass {
+  bool clip = false;
+  double max_norm = 0.0;
+  double norm_type = 2.0;
+  optim::NormGather gather;
+  PassScaler* scaler = nullptr;
+  const char* who = "stagewise::optim::clip_grad_norm_step";
+};
+
+// The clip coefficient of the first pass's norms (clip_grad_norm_'s total over them, in
+// parameter order), set for the update pass; returns the total norm (0 with no gradient).
+inline double set_clip_coef(FusedState& st, const TwoPass& how) {
+  std::vector<torch::Tensor> mine;
+  for (auto& slot : st.slots) {
+    mine.push_back(slot->has_norm ? slot->norm : torch::Tensor());
+    slot->has_norm = false;
+    slot->norm = torch::Tensor();
+  }
+  std::vector<torch::Tensor> norms;
+  if (how.gather) {
+    norms = how.gather(mine);
+  } else {
+    for (auto& n : mine) {
+      if (n.defined()) norms.push_back(std::move(n));
+    }
+  }
+  if (norms.empty()) return 0.0;  // with no gradient at all there is nothing to clip
+  torch::Tensor total;
+  if (how.norm_type == std::numeric_limits<double>::infinity()) {
+    total = norms.size() == 1 ? norms[0] : torch::max(torch::stack(norms));
+  } else if (how.norm_type == 0) {
+    total = torch::full({}, static_cast<double>(norms.size()));
+  } else {
+    total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(how.norm_type);
+  }
+  st.shared.clip_coef = torch::clamp(how.max_norm / (total + 1e-6), c10::nullopt, 1.0);
+  return total.item<double>();
+}
+
+// The scaler's verdict on the first pass: every parameter's found_inf; a closure that scaled no
+// loss is refused (its gradients would be unscaled twice).
+inline bool first_pass_finite(FusedState& st, const TwoPass& how, std::int64_t scaled_before) {
+  TORCH_CHECK(how.scaler->scaled_count() > scaled_before, how.who,
+              ": the closure back-propagated a loss the GradScaler did not scale, so its "
+              "gradients are not scaled. Return the loss from the closure (the step scales it), "
+              "call scaler.scale(loss).backward() in it, or pass the scaler to the pipe's "
+              "train_step (pipe->train_step(x, y, loss_fn, fused, scaler))");
+  std::vector<torch::Tensor> found;
+  for (auto& slot : st.slots) found.push_back(slot->found_inf);
+  return how.scaler->finite(found);
+}
+
+// The LOMO two passes of a fused step (clip_grad_norm_step, GradScaler::step(fused, closure)):
+// the first pass measures each gradient (its norm when clipping; under a scaler it unscales and
+// checks it first) and frees it; then, unless the scaler found an inf or a NaN, the random
+// generators are rewound and the update pass steps every parameter (unscaled, clipped).
+template <optim::loss_closure F>
+optim::ClipStepResult two_pass_step(optim::FusedStep& fused, F& closure, const TwoPass& how) {
+  auto& st = FusedStepAccess::state(fused);
+  TORCH_CHECK(st.attached, how.who,
+              ": the fused step is detached. Call attach() first, or clip with "
+              "torch::nn::utils::clip_grad_norm_ and step yourself.");
+  TORCH_CHECK(!st.shared.in_passes, how.who,
+              ": another two-pass step of this fused step is running; call it from outside the "
+              "closure of clip_grad_norm_step or GradScaler::step");
+  for (const auto& slot : st.slots) {
+    TORCH_CHECK(slot->arrivals.load() == 0, how.who, ": ", slot->describe(),
+                " is part-way through accumulating. Call it between steps: "
+                "its closure runs every backward pass of the step.");
+  }
+  auto run = [&closure, &how]() -> torch::Tensor {
+    if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
+      std::invoke(closure);
+      return torch::Tensor();
+    } else {
+      torch::Tensor loss = std::invoke(closure);
+      (how.scaler != nullptr ? how.scaler->scale_loss(loss) : loss).backward();
+      return loss;
+    }
+  };
+
+  FusedPassGuard guard{st};
+  const auto rng = RngState::capture_all();
+  st.shared.norm_type = how.norm_type;
+  st.shared.norms_gathered = static_cast<bool>(how.gather);
+  st.shared.measure_norm = how.clip;
+  st.shared.in_passes = true;
+  st.shared.scaled = how.scaler != nullptr ? how.scaler->pass : nullptr;
+  const std::int64_t scaled_before = how.scaler != nullptr ? how.scaler->scaled_count() : 0;
+  st.shared.mode.store(FusedMode::norm);
+  optim::ClipStepResult result;
+  result.loss = run();
+  // A parameter that got fewer than k gradients (not reached by every micro-batch) counts with
+  // their sum, as in clip_grad_norm_ after accumulation.
+  for (auto& slot : st.slots) slot->flush();
+  st.shared.mode.store(FusedMode::update);
+  const bool finite = how.scaler == nullptr || first_pass_finite(st, how, scaled_before);
+  if (how.clip) result.total_norm = set_clip_coef(st, how);
+  if (!finite) {
+    // Skipped: no parameter and no optimizer state changes, and the generators stand where one
+    // forward left them, as after the unfused step GradScaler skips.
+    result.stepped = false;
+    guard.done = true;
+    return result;
+  }
+  rng.restore();
+  result.loss = run();
+  for (auto& slot : st.slots) slot->flush();  // fewer than k gradients: stepped too
+  guard.done = true;
+  return result;
+}
+
+}  // namespace detail
+
+namespace optim {
+
 /// One fused step with global gradient-norm clipping, the LOMO way: the closure runs twice. The
 /// norm pass only records each parameter's gradient norm and frees the gradient; then, with the
 /// CPU and CUDA random generators rewound so dropout draws the same masks, the update pass
@@ -89,78 +230,17 @@ using NormGather =
 /// The norm is that of this process's parameters: on a distributed pipe (stages on several
 /// ranks) call `pipe->clip_grad_norm_step(fused, closure, max_norm)` instead, which totals every
 /// rank's (its fused train_step refuses a norm pass of this one). `gather` (`NormGather`) says
-/// where the norms come from.
+/// where the norms come from. With fp16 and a GradScaler, pass the scaler too (the overload in
+/// optim/grad_scaler.hpp): the first pass then also unscales and checks every gradient.
 template <loss_closure F>
 ClipStepResult clip_grad_norm_step(FusedStep& fused, F&& closure, double max_norm,
                                    double norm_type = 2.0, const NormGather& gather = nullptr) {
-  auto& st = detail::FusedStepAccess::state(fused);
-  TORCH_CHECK(st.attached,
-              "stagewise::optim::clip_grad_norm_step: the fused step is detached. Call "
-              "attach() first, or clip with torch::nn::utils::clip_grad_norm_ and step yourself.");
-  for (const auto& slot : st.slots) {
-    TORCH_CHECK(slot->arrivals.load() == 0,
-                "stagewise::optim::clip_grad_norm_step: ", slot->describe(),
-                " is part-way through accumulating. Call it between steps: "
-                "its closure runs every backward pass of the step.");
-  }
-  auto run = [&closure]() -> torch::Tensor {
-    if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
-      std::invoke(closure);
-      return torch::Tensor();
-    } else {
-      torch::Tensor loss = std::invoke(closure);
-      loss.backward();
-      return loss;
-    }
-  };
-
-  detail::FusedPassGuard guard{st};
-  const auto rng = RngState::capture_all();
-  st.shared.norm_type = norm_type;
-  st.shared.norms_gathered = static_cast<bool>(gather);
-  st.shared.mode.store(detail::FusedMode::norm);
-  run();
-  // A parameter that got fewer than k gradients (not reached by every micro-batch) counts with
-  // their sum, as in clip_grad_norm_ after accumulation.
-  for (auto& slot : st.slots) slot->flush();
-  st.shared.mode.store(detail::FusedMode::update);
-
-  // The total, as clip_grad_norm_ computes it: per-parameter norms in parameter order, stacked.
-  std::vector<torch::Tensor> mine;
-  for (auto& slot : st.slots) {
-    mine.push_back(slot->has_norm ? slot->norm : torch::Tensor());
-    slot->has_norm = false;
-    slot->norm = torch::Tensor();
-  }
-  std::vector<torch::Tensor> norms;
-  if (gather) {
-    norms = gather(mine);
-  } else {
-    for (auto& n : mine) {
-      if (n.defined()) norms.push_back(std::move(n));
-    }
-  }
-  double total_norm = 0.0;  // with no gradient at all there is nothing to clip
-  if (!norms.empty()) {
-    torch::Tensor total;
-    if (norm_type == std::numeric_limits<double>::infinity()) {
-      total = norms.size() == 1 ? norms[0] : torch::max(torch::stack(norms));
-    } else if (norm_type == 0) {
-      total = torch::full({}, static_cast<double>(norms.size()));
-    } else {
-      total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(norm_type);
-    }
-    st.shared.clip_coef = torch::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
-    total_norm = total.item<double>();
-  }
-
-  rng.restore();
-  ClipStepResult result;
-  result.loss = run();
-  for (auto& slot : st.slots) slot->flush();  // fewer than k gradients: clipped and stepped too
-  result.total_norm = total_norm;
-  guard.done = true;
-  return result;
+  detail::TwoPass how;
+  how.clip = true;
+  how.max_norm = max_norm;
+  how.norm_type = norm_type;
+  how.gather = gather;
+  return detail::two_pass_step(fused, closure, how);
 }
 
 }  // namespace optim

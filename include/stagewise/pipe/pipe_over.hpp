@@ -14,6 +14,7 @@
 #include "stagewise/nn/deferred_batch_norm.hpp"
 #include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
+#include "stagewise/optim/grad_scaler.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/detail/clip_norms.hpp"
 #include "stagewise/pipe/detail/offload_step.hpp"
@@ -22,6 +23,7 @@
 #include "stagewise/pipe/detail/process_step.hpp"
 #include "stagewise/pipe/detail/resolve.hpp"
 #include "stagewise/pipe/detail/saved_state.hpp"
+#include "stagewise/pipe/detail/scaled_step.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
@@ -180,6 +182,33 @@ class PipeOverImpl : public detail::PlacedStages {
     return train_step(Batch(input), Batch(target), std::move(loss_fn), fused, sched, timeline);
   }
 
+  /// train_step with fp16 loss scaling (`amp::GradScaler`): each micro-batch's weighted loss is
+  /// multiplied by the scale before its backward, in every schedule; the loss returned is not
+  /// scaled, the gradients are, as by `scaler.scale(loss).backward()`. Over several processes
+  /// the scaler's inf/NaN check is summed over every rank, so all skip and scale alike.
+  ///   pipe->train_step(x, y, loss_fn, scaler, sched); scaler.step(adam); scaler.update();
+  template <detail::step_schedule Schedule = detail::options_schedule>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           amp::GradScaler& scaler, const Schedule& sched = {},
+                           schedule::Timeline* timeline = nullptr) {
+    detail::ScaledBy scaled(scaler_, scaler, found_inf_reduction());
+    return run_step(input, target, std::move(loss_fn), sched, nullptr, timeline);
+  }
+
+  /// The fused train_step under a GradScaler: it runs twice (`scaler.step(fused, closure)`), and
+  /// the second pass steps every parameter only if the first found every gradient finite (on
+  /// every rank); inside `pipe->clip_grad_norm_step(..., scaler)` once per pass of the clip.
+  ///   pipe->train_step(x, y, loss_fn, fused, scaler, sched); scaler.update();
+  template <detail::step_schedule Schedule = detail::options_schedule>
+  torch::Tensor train_step(const Batch& input, const Batch& target, runtime::loss_fn_t loss_fn,
+                           optim::FusedStep& fused, amp::GradScaler& scaler,
+                           const Schedule& sched = {}, schedule::Timeline* timeline = nullptr) {
+    return detail::scaled_fused_step(fused, scaler, found_inf_reduction(), where_, [&] {
+      detail::ScaledBy scaled(scaler_, scaler, nullptr);
+      return train_step(input, target, loss_fn, fused, sched, timeline);
+    });
+  }
+
   /// `optim::clip_grad_norm_step` (same arguments) by the whole model's gradient norm, wherever
   /// its stages run: the fused step's norms of every process's stages (with data-parallel
   /// replicas, of the averaged gradients, counted once) are totalled in stage order, so every
@@ -190,13 +219,22 @@ class PipeOverImpl : public detail::PlacedStages {
   template <optim::loss_closure F>
   optim::ClipStepResult clip_grad_norm_step(optim::FusedStep& fused, F&& closure, double max_norm,
                                             double norm_type = 2.0) {
-    auto gather = [this](const std::string& what, const torch::Tensor& values) {
-      return runtime::gather_values(*transport_, who_ + "::" + what, values);
-    };
-    return optim::clip_grad_norm_step(
-        fused, std::forward<F>(closure), max_norm, norm_type,
-        detail::stage_norm_gather(transport_->processes(), stages_, fused.parameters(), gather,
-                                  max_norm, norm_type, who_ + "::clip_grad_norm_step"));
+    return optim::clip_grad_norm_step(fused, std::forward<F>(closure), max_norm, norm_type,
+                                      norm_gather(fused, max_norm, norm_type));
+  }
+
+  /// The clip under a GradScaler: the first pass also unscales and checks every gradient, the
+  /// update pass runs only if the step is finite on every rank; the closure passes the scaler on.
+  ///   pipe->clip_grad_norm_step(fused, [&] { pipe->train_step(x, y, f, fused, scaler); }, 1.0,
+  ///                             scaler);
+  template <optim::loss_closure F>
+  optim::ClipStepResult clip_grad_norm_step(optim::FusedStep& fused, F&& closure, double max_norm,
+                                            amp::GradScaler& scaler, double norm_type = 2.0) {
+    if (auto reduction = found_inf_reduction(); reduction && scaler.is_enabled()) {
+      detail::GradScalerAccess::reduce_with(scaler, std::move(reduction));
+    }
+    return optim::clip_grad_norm_step(fused, std::forward<F>(closure), max_norm, scaler,
+                                      norm_type, norm_gather(fused, max_norm, norm_type));
   }
 
   /// The options the pipe was built with, as given.
@@ -229,6 +267,16 @@ class PipeOverImpl : public detail::PlacedStages {
     saves().save(dir, step, [&](torch::serialize::OutputArchive& a) { optimizer.save(a); });
   }
 
+  /// `save` with a GradScaler's state too (after `scaler.update()`): a resumed run scales alike.
+  template <savable_optimizer Optimizer>
+  void save(const std::string& dir, const Optimizer& optimizer, const amp::GradScaler& scaler,
+            std::int64_t step) {
+    saves().save(dir, step, [&](torch::serialize::OutputArchive& a) {
+      optimizer.save(a);
+      detail::save_scaler(a, scaler);
+    });
+  }
+
   /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.
   void save(const std::string& dir, std::int64_t step) { saves().save(dir, step, nullptr); }
 
@@ -242,6 +290,20 @@ class PipeOverImpl : public detail::PlacedStages {
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer) {
     return saves().load(dir, [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
+  }
+
+  /// `load` with a GradScaler's state too; a save without one is refused, changing nothing.
+  template <savable_optimizer Optimizer>
+  std::int64_t load(const std::string& dir, Optimizer& optimizer, amp::GradScaler& scaler) {
+    return saves().load(
+        dir,
+        [&](torch::serialize::InputArchive& a) {
+          optimizer.load(a);
+          detail::load_scaler(a, scaler);
+        },
+        [&](torch::serialize::InputArchive& a) {
+          detail::check_scaler_saved(a, who_ + "::load: ", dir);
+        });
   }
 
   /// Loads the stages' parameters, buffers and the generators' states of a save, leaving any
@@ -304,6 +366,15 @@ class PipeOverImpl : public detail::PlacedStages {
     }
   }
 
+  /// How the processes sum a GradScaler's inf/NaN check: null in one process, else through the
+  /// transport's gather (distributed::Pipe: an all-reduce on its process group).
+  virtual detail::FoundInfReduction found_inf_reduction() {
+    return detail::gathered_found_inf(
+        transport_->processes().count, [this](const std::string& what, const std::string& mine) {
+          return transport_->gather(who_ + "::" + what, mine);
+        });
+  }
+
   /// How to build a pipe that runs a schedule placed otherwise, ending the error that refuses it
   /// (e.g. distributed::Pipe's Options().placed_like(schedule)).
   void set_placement_fix(std::string fix) { placement_fix_ = std::move(fix); }
@@ -341,6 +412,16 @@ class PipeOverImpl : public detail::PlacedStages {
   std::string placement_fix_;
   schedule::PlanCache plans_;  // each step's plan, made once per schedule and shape
   std::shared_ptr<const schedule::Plan> reductions_checked_;  // the last plan check_reductions passed
+  amp::GradScaler* scaler_ = nullptr;  // the scaler of the step running now (detail::ScaledBy)
+
+  // The clip's source of norms: every process's, in stage order (stage_norm_gather).
+  optim::NormGather norm_gather(optim::FusedStep& fused, double max_norm, double norm_type) {
+    auto gather = [this](const std::string& what, const torch::Tensor& values) {
+      return runtime::gather_values(*transport_, who_ + "::" + what, values);
+    };
+    return detail::stage_norm_gather(transport_->processes(), stages_, fused.parameters(), gather,
+                                     max_norm, norm_type, who_ + "::clip_grad_norm_step");
+  }
 
   detail::SavedPlan plan_here() const {
     const auto here = transport_->processes();
@@ -397,6 +478,7 @@ class PipeOverImpl : public detail::PlacedStages {
       step.weights.assign(static_cast<std::size_t>(m), 1.0 / m);
     }
     step.loss_fn = std::move(loss_fn);
+    if (scaler_ != nullptr) step.loss_scale = detail::step_loss_scale(*scaler_, stages_);
     if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
     step.training = is_training();
     step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);

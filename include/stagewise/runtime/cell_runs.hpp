@@ -53,6 +53,10 @@ struct TrainStep {
   std::vector<Batch> targets;
   std::vector<double> weights;  // each micro-batch's share of the loss
   loss_fn_t loss_fn;
+  /// A GradScaler's scale on the last stage's device: each micro-batch's weighted loss is
+  /// multiplied by it before its backward, as `scaler.scale(loss).backward()` does (the loss
+  /// returned stays unscaled); undefined: not scaled.
+  torch::Tensor loss_scale;
   std::vector<int64_t> stops;  // per stage: its micro-batches below it are checkpointed
   int64_t stop_of(int stage) const {
     return stops.empty() ? 0 : stops[static_cast<std::size_t>(stage)];

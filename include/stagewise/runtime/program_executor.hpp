@@ -100,6 +100,10 @@ template <class Transport>
 void roots_of(ActionContext<Transport>& c, Inputs& in, std::vector<torch::Tensor>& outs,
               std::vector<torch::Tensor>& grads) {
   backward_roots(c.cell, c.last, in.grad ? &in.grad->tensors : nullptr, outs, grads);
+  if (c.last && c.step.loss_scale.defined() && !outs.empty()) {
+    outs.front() = outs.front() * c.step.loss_scale;  // scaler.scale(loss), before its backward
+    grads.front() = torch::ones_like(outs.front());
+  }
   if (c.step.skips && !c.step.skips->add_roots(c.stages, c.j, c.i, outs, grads, c.mail)) {
     throw Aborted{};
   }

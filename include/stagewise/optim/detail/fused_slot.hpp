@@ -2,6 +2,7 @@
 
 // Internals of optim::FusedStep: one slot per parameter and the hook that steps it.
 
+#include "stagewise/optim/detail/amp_kernels.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
 
 #include <torch/csrc/autograd/function.h>
@@ -16,6 +17,7 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -61,6 +63,34 @@ inline torch::Tensor grad_norm_part(const torch::Tensor& grad, double norm_type)
 
 enum class FusedMode : int { update, norm };
 
+// What a GradScaler gives the two passes of a scaled fused step (amp::GradScaler::step(fused,
+// closure), clip_grad_norm_step with a scaler): each gradient is unscaled before it is used, and
+// in the first pass checked for inf/NaN. `scale` is the scaler's scale tensor, read at the first
+// gradient (a closure that scales its own loss creates it); the inverse is taken as PyTorch's
+// unscale_ does (in double, then float) and copied once to each device that asks.
+struct ScaledPass {
+  const void* owner = nullptr;              // the GradScaler
+  const torch::Tensor* scale = nullptr;     // its scale tensor
+  std::int64_t scaled_before = 0;           // its count of scaled losses when the pass began
+  std::mutex mutex;                         // inv, from the stages' threads
+  std::vector<torch::Tensor> inv;           // 1 / scale, one per device
+
+  torch::Tensor inv_scale(const c10::Device& device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& t : inv) {
+      if (t.device() == device) return t;
+    }
+    TORCH_CHECK(scale != nullptr && scale->defined(),
+                "stagewise::amp::GradScaler: a gradient arrived before any loss was scaled. "
+                "Scale the loss the closure back-propagates (scaler.scale(loss).backward(), or "
+                "return the loss and let the step scale it)");
+    if (inv.empty()) inv.push_back(scale->to(torch::kDouble).reciprocal().to(torch::kFloat));
+    if (inv.front().device() == device) return inv.front();
+    inv.push_back(inv.front().to(device, /*non_blocking=*/false, /*copy=*/true));
+    return inv.back();
+  }
+};
+
 // Shared by every parameter's hook. Written only between backward passes.
 struct FusedShared {
   std::atomic<FusedMode> mode{FusedMode::update};
@@ -68,6 +98,9 @@ struct FusedShared {
   double norm_type = 2.0;   // norm pass: the norm to take
   torch::Tensor clip_coef;  // update pass: defined while clipping, multiplies each gradient
   bool norms_gathered = false;  // norm pass: every process's norms are totalled (a pipe's clip)
+  bool measure_norm = true;     // norm pass: take each gradient's norm (false: a scaler's check)
+  bool in_passes = false;       // a two-pass step is running (clip_grad_norm_step, scaler.step)
+  ScaledPass* scaled = nullptr;  // while a scaled two-pass step runs: unscale every gradient
   std::atomic<std::int64_t> updated{0};  // parameters stepped since the last finish_step
 };
 
@@ -85,6 +118,7 @@ struct FusedSlot {
   std::atomic<int> updates{0};   // steps since the last finish_step
   torch::Tensor norm;            // norm pass result
   bool has_norm = false;
+  torch::Tensor found_inf;       // a scaled norm pass: 1 if the gradient held an inf or a NaN
   FusedShared* shared = nullptr;
 
   std::string describe() const {
@@ -96,6 +130,15 @@ struct FusedSlot {
     }
     if (param.defined()) os << " (shape " << param.sizes() << ")";
     return os.str();
+  }
+
+  // GradScaler refuses fp16 gradients, as PyTorch's unscale_ does: fp16 parameters cannot take
+  // small updates; autocast keeps them fp32 and runs the fp16 arithmetic.
+  void check_grad_dtype(const torch::Tensor& grad) const {
+    TORCH_CHECK(grad.scalar_type() != torch::kHalf, "stagewise::amp::GradScaler: ", describe(),
+                " has an fp16 gradient: attempting to unscale FP16 gradients. Keep the "
+                "parameters in fp32 and run the forward under fp16 autocast instead of "
+                "converting the model to fp16");
   }
 
   // Runs after AccumulateGrad has added this backward's gradient to param.grad().
@@ -115,19 +158,34 @@ struct FusedSlot {
     use_gradient();
   }
 
-  // Steps on (or, in the norm pass, measures) the gradient in .grad, then frees it.
+  // Steps on (or, in the norm pass, measures) the gradient in .grad, then frees it. Under a
+  // scaler the gradient is unscaled first, as GradScaler::unscale_ does, and in the norm pass
+  // checked for inf/NaN.
   void use_gradient() {
     torch::NoGradGuard no_grad;
     torch::Tensor& grad = param.mutable_grad();
+    ScaledPass* scaled = shared->scaled;
     if (shared->mode.load(std::memory_order_acquire) == FusedMode::norm) {
       if (grad.defined()) {
-        norm = grad_norm_part(grad, shared->norm_type);
-        has_norm = true;
+        if (scaled != nullptr) {
+          check_grad_dtype(grad);
+          if (!found_inf.defined()) found_inf = torch::zeros({}, grad.options().dtype(torch::kFloat));
+          unscale_and_check(grad, found_inf, scaled->inv_scale(grad.device()));
+        }
+        if (shared->measure_norm) {
+          norm = grad_norm_part(grad, shared->norm_type);
+          has_norm = true;
+        }
       }
     } else {
       // Like an unfused optimizer, a parameter whose gradient is undefined is not stepped.
       if (grad.defined()) {
-        if (shared->clip_coef.defined()) grad.mul_(shared->clip_coef);
+        if (scaled != nullptr) {
+          auto ignored = torch::zeros({}, grad.options().dtype(torch::kFloat));  // checked before
+          unscale_and_check(grad, ignored, scaled->inv_scale(grad.device()), shared->clip_coef);
+        } else if (shared->clip_coef.defined()) {
+          grad.mul_(shared->clip_coef);
+        }
         optimizer->step();
       }
       updates.fetch_add(1, std::memory_order_relaxed);

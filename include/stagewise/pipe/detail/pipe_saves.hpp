@@ -95,7 +95,10 @@ struct PipeSaves {
 
   /// Reads and checks this process's part of the save in `dir`, agrees with the others, then
   /// loads it and returns its step (Pipe::load).
-  std::int64_t load(const std::string& dir, const LoadOptimizer& optimizer) const {
+  /// `check`, if given, is called on the saved optimizer state while checking (a scaler's state
+  /// is there too: detail/scaled_step.hpp).
+  std::int64_t load(const std::string& dir, const LoadOptimizer& optimizer,
+                    const LoadOptimizer& check = nullptr) const {
     // First read and check everything, changing nothing; every process then knows whether all
     // can load, and from the same step.
     const std::string where = who + "::load: ";
@@ -139,6 +142,7 @@ struct PipeSaves {
                     " has no optimizer state (it was saved without an optimizer); load it with "
                     "load(dir), or resume from a save made with save(dir, optimizer, step)");
         if (optimizer) rank_archive.read("optimizer", optimizer_archive);
+        if (check) check(optimizer_archive);
         rank_archive.read("rng", rng_archive);
       });
       for (std::size_t j = 0; j < stages.size(); ++j) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -225,6 +226,24 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   /// Train or eval mode for this rank's stages (checkpointing runs only in training). Moving
   /// the pipe with to(device) is refused (PlacedStages); to(dtype) is allowed.
   void train(bool on = true) override { torch::nn::Module::train(on); }
+
+ protected:
+  /// A GradScaler's inf/NaN check summed over the whole job, every stage and replica: one
+  /// all-reduce on the job's process group (not the store), waited for as the transport waits,
+  /// so a rank that fails fails it on every rank. Through the transport's gather where the
+  /// job's connection has no collectives (a Connection built by hand).
+  ::stagewise::detail::FoundInfReduction found_inf_reduction() override {
+    if (!job_.collectives) return PipeOverImpl::found_inf_reduction();
+    return [this](const torch::Tensor& found) {
+      std::vector<at::Tensor> one{found.to(dist_.transport().device(), torch::kFloat,
+                                           /*non_blocking=*/false, /*copy=*/true)};
+      std::vector<int> members(static_cast<std::size_t>(world_size()));
+      std::iota(members.begin(), members.end(), 0);
+      transport_->wait_collective(job_.collectives.all_reduce_sum(one), members,
+                                  "the GradScaler's inf/NaN check (an all-reduce)");
+      return one.front();
+    };
+  }
 
  private:
   // What the checks before the transport find: this rank's stages' specs, every stage's rank
