@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -61,13 +62,39 @@ struct WeightPart {
 /// cuts those nodes' edges towards the inputs and runs the engine once from the kept gradients,
 /// so only the skipped branches run and accumulate into the parameters' `.grad`: I + W do the
 /// work of one backward, nothing twice. A parameter reached from several places (a module
-/// applied twice) gets the sum, as in one backward. The graph is consumed by W; between I and W
-/// it is kept whole, saved activations included.
+/// applied twice) gets the sum, as in one backward. The graph is consumed by W. Between I and W
+/// the cell keeps what W reads (`Keep::what_w_reads`, the default): after I, every node that W
+/// will not run again (the input-gradient path's own nodes: a ReLU's or GELU's saved tensor,
+/// attention's probabilities, the outputs themselves) releases its saved tensors, as a backward
+/// without retain_graph does; the nodes where W starts (a Linear's addmm: its input) and the
+/// branches below them keep theirs, beside the gradients kept for W. `Keep::whole_graph` keeps
+/// every saved tensor until W (what stagewise did before; for measuring what the release saves).
 ///   SplitBackward split;
 ///   auto dx = split.input_grad({y}, {dy}, {x});   // I: send dx to the previous stage
 ///   split.weight_grad();                          // W: later, parameters' .grad
 class SplitBackward {
  public:
+  /// What a cell keeps between its I and its W.
+  enum class Keep {
+    what_w_reads,  ///< W's starting nodes and branches, and the gradients kept for them
+    whole_graph,   ///< every saved tensor of the graph (the behaviour before issue 44)
+  };
+
+  /// A split that keeps `keep` between I and W (by default the process-wide `default_keep()`).
+  ///   SplitBackward split(SplitBackward::Keep::whole_graph);
+  explicit SplitBackward(Keep keep = default_keep()) : keep_(keep) {}
+
+  /// What SplitBackward keeps when made without saying: `Keep::what_w_reads` unless set otherwise
+  /// with `set_default_keep` (the pipes' executors make theirs that way).
+  static Keep default_keep() { return default_keep_slot().load(std::memory_order_relaxed); }
+
+  /// Sets what SplitBackward objects made from now on keep by default, process-wide; returns the
+  /// previous default. Meant for benchmarks and diagnostics: set it while no step runs.
+  ///   auto old = SplitBackward::set_default_keep(SplitBackward::Keep::whole_graph);
+  static Keep set_default_keep(Keep keep) {
+    return default_keep_slot().exchange(keep, std::memory_order_relaxed);
+  }
+
   /// I: the gradients of `inputs` (undefined where an input gets none, or is undefined) for
   /// `outputs` with
   /// gradients `grads`; keeps what `weight_grad` needs. Outputs that do not require grad or get
@@ -99,6 +126,14 @@ class SplitBackward {
     for (auto& part : parts_) {
       if (part.captured) part.captured->armed = false;
     }
+    if (keep_ == Keep::what_w_reads) {
+      // W starts from the kept gradients and the parts' roots: the outputs, their gradients and
+      // the nodes only I runs hold nothing W reads.
+      for (auto& node : input_only_) node->release_variables();
+      outputs_.clear();
+      grads_.clear();
+    }
+    input_only_.clear();
     return out;
   }
 
@@ -124,7 +159,7 @@ class SplitBackward {
                                                             /*create_graph=*/false,
                                                             /*accumulate_grad=*/true);
     }
-    *this = SplitBackward{};
+    *this = SplitBackward{keep_};
   }
 
  private:
@@ -217,6 +252,7 @@ class SplitBackward {
       if (!part.roots.empty()) parts_.push_back(std::move(part));
     }
     // Nodes on the input-gradient path with parameter-only branches keep what I gives them.
+    std::unordered_set<const Node*> starts;
     for (const auto& info : nodes) {
       if (!info.reaches_input || info.leaf != 0 || info.node->num_inputs() == 0) continue;
       bool branches = false;
@@ -235,13 +271,27 @@ class SplitBackward {
       part.captured->armed = true;
       info.node->add_pre_hook(std::make_unique<detail::CaptureGrads>(part.captured));
       parts_.push_back(std::move(part));
+      starts.insert(info.node.get());
     }
+    // The nodes only I runs: on the input-gradient path, not where W starts. Every node W runs
+    // is such a start or lies below one on a parameter-only branch (which reaches no input).
+    for (const auto& info : nodes) {
+      if (info.reaches_input && info.leaf == 0 && !starts.count(info.node.get()))
+        input_only_.push_back(info.node);
+    }
+  }
+
+  static std::atomic<Keep>& default_keep_slot() {
+    static std::atomic<Keep> keep{Keep::what_w_reads};
+    return keep;
   }
 
   std::vector<torch::Tensor> outputs_;
   std::vector<torch::Tensor> grads_;
   std::vector<detail::WeightPart> parts_;
+  std::vector<std::shared_ptr<Node>> input_only_;  // from analyse to the end of I
   bool reaches_inputs_ = false;
+  Keep keep_ = Keep::what_w_reads;
 };
 
 }  // namespace stagewise::runtime
