@@ -1,7 +1,8 @@
 // What a cell waiting for its W holds, counted by the counting allocator: what W reads (each
 // weight's input and the gradient of its output, as I kept it) within 10%, and no more: on an MLP
 // stage, whose forward keeps just that, and on examples/gpt's transformer block, whose forward
-// keeps far more (attention's probabilities, the norms' and GELU's inputs) that only I reads.
+// keeps far more (attention's probabilities, the norms' and GELU's inputs) that only I reads and
+// that I frees as it goes.
 #include "benchmarks/common/gpt_block.hpp"
 #include "benchmarks/common/memory.hpp"
 
@@ -19,28 +20,41 @@ using Keep = sw::runtime::SplitBackward::Keep;
 
 namespace {
 
-// Bytes allocated by one cell of `stage` (micro-batch of shape `shape`, not its first stage:
-// its input needs a gradient) that are still held after its I, the output and the input's
-// gradient dropped as the pipe drops them. The stage's input and the output's gradient were
+// What one cell of `stage` (micro-batch of shape `shape`, not its first stage: its input needs
+// a gradient) allocates: `held`, what is still held after its I, the output and the input's
+// gradient dropped as the pipe drops them; `i_peak`, the most held while I ran; `b_peak`, the
+// most held while a whole backward ran instead. The stage's input and the output's gradient were
 // there before the cell (the previous stage's output, the next stage's message).
-double held_after_input_grad(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape,
-                             Keep keep) {
+struct CellUse {
+  double held = 0, i_peak = 0, b_peak = 0;
+};
+
+CellUse cell_use(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape, Keep keep) {
   auto& memory = sw::bench::counting_allocator();
   const auto x = torch::randn(shape);
   const auto g = torch::randn(shape);
   stage->forward(x).backward(g);  // the gradients exist, as after a pipe's first step
   const long long before = memory.current();
+  CellUse use;
+  {
+    auto y = stage->forward(x.detach().requires_grad_());
+    memory.reset_peak();
+    y.backward(g);
+    use.b_peak = static_cast<double>(memory.peak() - before);
+  }
   auto leaf = x.detach().requires_grad_();
   sw::runtime::SplitBackward split(keep);
   {
     auto y = stage->forward(leaf);
+    memory.reset_peak();
     auto dx = split.input_grad({y}, {g}, {leaf});
+    use.i_peak = static_cast<double>(memory.peak() - before);
     REQUIRE(dx[0].defined());
   }
-  const double held = static_cast<double>(memory.current() - before);
+  use.held = static_cast<double>(memory.current() - before);
   split.weight_grad();
   CHECK(memory.current() == before);  // W frees the cell
-  return held;
+  return use;
 }
 
 }  // namespace
@@ -60,8 +74,8 @@ TEST_SUITE("split backward memory") {
     // first Linear's output; between the blocks, the first block's output (the next Linear's
     // input) and its gradient. The last Linear's output gradient is the message's.
     const double reads = 4.0 * rows * (2 * (hidden + hidden) + (width + width));
-    const double held = held_after_input_grad(stage, {rows, width}, Keep::what_w_reads);
-    const double whole = held_after_input_grad(stage, {rows, width}, Keep::whole_graph);
+    const double held = cell_use(stage, {rows, width}, Keep::what_w_reads).held;
+    const double whole = cell_use(stage, {rows, width}, Keep::whole_graph).held;
     MESSAGE("MLP cell after I: " << held << " bytes, W reads " << reads << "; whole graph "
                                  << whole);
     CHECK(held >= 0.9 * reads);
@@ -85,14 +99,22 @@ TEST_SUITE("split backward memory") {
     // GELU's [b, T, 4 dim] output (4; its output gradient is the message's).
     const double activation = 4.0 * b * c.context * c.dim;
     const double reads = activation * (2 * 2 + 4 + 2 + 5 + 4);
-    const double held = held_after_input_grad(stage, {b, c.context, c.dim}, Keep::what_w_reads);
-    const double whole = held_after_input_grad(stage, {b, c.context, c.dim}, Keep::whole_graph);
+    const auto use = cell_use(stage, {b, c.context, c.dim}, Keep::what_w_reads);
+    const auto kept = cell_use(stage, {b, c.context, c.dim}, Keep::whole_graph);
+    const double held = use.held, whole = kept.held;
     MESSAGE("GPT block cell after I: " << held << " bytes, W reads " << reads << "; whole graph "
-                                       << whole);
+                                       << whole << "; peak in I " << use.i_peak << " (whole graph "
+                                       << kept.i_peak << "), in a whole backward " << use.b_peak);
     CHECK(held >= 0.9 * reads);
     CHECK(held <= 1.1 * reads);
     // The probabilities alone ([b, heads, T, T]) are 4 activations here: the release frees them,
     // the softmax's and the scores' inputs, the norms' and the GELU's inputs, the queries and keys.
     CHECK(whole - held >= 4.0 * b * c.heads * c.context * c.context);
+    // I frees as it goes, as a whole backward does: its peak exceeds a whole backward's by at
+    // most the output gradients it keeps for W (1 + 1 + 3 + 1 + 1 + 4 activations); holding every
+    // saved tensor until its end, it would not stay within that.
+    const double kept_grads = activation * (1 + 1 + 3 + 1 + 1 + 4);
+    CHECK(use.i_peak <= use.b_peak + kept_grads);
+    CHECK(kept.i_peak > use.b_peak + kept_grads);
   }
 }

@@ -41,6 +41,21 @@ class CaptureGrads final : public torch::autograd::FunctionPreHook {
   std::shared_ptr<CapturedGrads> slot_;
 };
 
+// Frees its node's saved tensors as soon as the node has run in I, as a backward without
+// retain_graph does: the node lies on the input-gradient path only, and nothing runs it again.
+class ReleaseAfterRun final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit ReleaseAfterRun(torch::autograd::Node* node) : node_(node) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    node_->release_variables();
+    return outputs;
+  }
+
+ private:
+  torch::autograd::Node* node_;  // the node that owns this hook
+};
+
 // Where the weight-gradient pass starts: the outputs whose graph leads only to parameters (with
 // `root_grads`), or a node on the input-gradient path with parameter-only branches (with the
 // gradients `captured` there during I, and the indices of its edges towards the inputs, `cut`).
@@ -65,8 +80,8 @@ struct WeightPart {
 /// applied twice) gets the sum, as in one backward. The graph is consumed by W. Between I and W
 /// the cell keeps what W reads (`Keep::what_w_reads`, the default): after I, every node that W
 /// will not run again (the input-gradient path's own nodes: a ReLU's or GELU's saved tensor,
-/// attention's probabilities, the outputs themselves) releases its saved tensors, as a backward
-/// without retain_graph does; the nodes where W starts (a Linear's addmm: its input) and the
+/// attention's probabilities, the outputs themselves) releases its saved tensors as soon as it
+/// has run, as a backward without retain_graph does; the nodes where W starts (a Linear's addmm: its input) and the
 /// branches below them keep theirs, beside the gradients kept for W. `Keep::whole_graph` keeps
 /// every saved tensor until W (what stagewise did before; for measuring what the release saves).
 ///   SplitBackward split;
@@ -109,6 +124,10 @@ class SplitBackward {
       }
     }
     analyse(inputs);
+    if (keep_ == Keep::what_w_reads) {
+      for (auto& node : input_only_)
+        node->add_post_hook(std::make_unique<detail::ReleaseAfterRun>(node.get()));
+    }
     std::vector<torch::Tensor> wanted;
     std::vector<std::size_t> at;
     for (std::size_t k = 0; k < inputs.size(); ++k) {
@@ -128,7 +147,7 @@ class SplitBackward {
     }
     if (keep_ == Keep::what_w_reads) {
       // W starts from the kept gradients and the parts' roots: the outputs, their gradients and
-      // the nodes only I runs hold nothing W reads.
+      // the nodes only I runs (those I did not reach too) hold nothing W reads.
       for (auto& node : input_only_) node->release_variables();
       outputs_.clear();
       grads_.clear();
@@ -174,47 +193,63 @@ class SplitBackward {
     bool reaches_weight = false;  // a parameter's accumulator lies below
   };
 
+  // The cell's graph from its outputs down: every node once, with its children.
+  struct Graph {
+    std::vector<Info> nodes;
+    std::unordered_map<Node*, std::size_t> index;
+    std::vector<Edge> root_edges;      // one per output
+    std::vector<std::size_t> root_ids;  // the outputs' nodes
+  };
+
   void analyse(const std::vector<torch::Tensor>& inputs) {
+    Graph g = walk(inputs);
+    mark(g);
+    plan_parts(g);
+  }
+
+  Graph walk(const std::vector<torch::Tensor>& inputs) const {
     std::unordered_set<const c10::TensorImpl*> input_set;
     for (const auto& x : inputs) {
       if (x.defined() && x.requires_grad()) input_set.insert(x.unsafeGetTensorImpl());
     }
-    std::vector<Info> nodes;
-    std::unordered_map<Node*, std::size_t> index;
+    Graph g;
     std::vector<std::size_t> todo;
     auto visit = [&](const std::shared_ptr<Node>& n) {
-      auto [it, fresh] = index.emplace(n.get(), nodes.size());
+      auto [it, fresh] = g.index.emplace(n.get(), g.nodes.size());
       if (fresh) {
         Info info;
         info.node = n;
         if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n.get())) {
           info.leaf = input_set.count(acc->variable.unsafeGetTensorImpl()) ? 1 : 2;
         }
-        nodes.push_back(std::move(info));
+        g.nodes.push_back(std::move(info));
         todo.push_back(it->second);
       }
       return it->second;
     };
-    std::vector<Edge> root_edges;
-    std::vector<std::size_t> root_ids;
     for (const auto& y : outputs_) {
-      root_edges.push_back(torch::autograd::impl::gradient_edge(y));
-      root_ids.push_back(visit(root_edges.back().function));
+      g.root_edges.push_back(torch::autograd::impl::gradient_edge(y));
+      g.root_ids.push_back(visit(g.root_edges.back().function));
     }
     while (!todo.empty()) {
       const std::size_t id = todo.back();
       todo.pop_back();
-      const auto node = nodes[id].node;
+      const auto node = g.nodes[id].node;
       for (const auto& e : node->next_edges()) {
         if (e.is_valid()) {
           const std::size_t child = visit(e.function);
-          nodes[id].children.push_back(child);
+          g.nodes[id].children.push_back(child);
         }
       }
     }
-    // What lies below each node, children first.
+    return g;
+  }
+
+  // What lies below each node (an input's accumulator, a parameter's), children first.
+  void mark(Graph& g) {
+    auto& nodes = g.nodes;
     std::vector<char> state(nodes.size(), 0);
-    for (std::size_t r : root_ids) {
+    for (std::size_t r : g.root_ids) {
       if (state[r]) continue;
       std::vector<std::pair<std::size_t, std::size_t>> stack{{r, 0}};
       state[r] = 1;
@@ -240,13 +275,18 @@ class SplitBackward {
         stack.pop_back();
       }
     }
+  }
+
+  // Where W starts, and the nodes only I runs.
+  void plan_parts(const Graph& g) {
+    const auto& nodes = g.nodes;
     // The outputs' own parameter-only graphs (all of the graph when no input needs a gradient).
     {
       detail::WeightPart part;
-      for (std::size_t k = 0; k < root_ids.size(); ++k) {
-        const auto& info = nodes[root_ids[k]];
+      for (std::size_t k = 0; k < g.root_ids.size(); ++k) {
+        const auto& info = nodes[g.root_ids[k]];
         if (info.reaches_input || !info.reaches_weight) continue;
-        part.roots.push_back(root_edges[k]);
+        part.roots.push_back(g.root_edges[k]);
         part.root_grads.push_back(grads_[k]);
       }
       if (!part.roots.empty()) parts_.push_back(std::move(part));
@@ -263,7 +303,7 @@ class SplitBackward {
       for (uint32_t k = 0; k < info.node->num_inputs(); ++k) part.roots.emplace_back(info.node, k);
       const auto& edges = info.node->next_edges();
       for (std::size_t e = 0; e < edges.size(); ++e) {
-        if (edges[e].is_valid() && nodes[index.at(edges[e].function.get())].reaches_input) {
+        if (edges[e].is_valid() && nodes[g.index.at(edges[e].function.get())].reaches_input) {
           part.cut.push_back(e);
         }
       }
