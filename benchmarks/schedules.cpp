@@ -10,6 +10,7 @@
 
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/cell_bytes.hpp"
+#include "benchmarks/common/cpu_time.hpp"
 #include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/gpt_block.hpp"
 #include "benchmarks/common/memory.hpp"
@@ -161,21 +162,31 @@ void measure(std::vector<Candidate>& cs, int rounds) {
 }
 
 // The split backward alone: `stage` on one micro-batch of shape `shape`, backward whole versus
-// I then W (medians in ms, interleaved rounds), the split releasing what only I reads.
+// I then W, the split releasing what only I reads: medians over interleaved rounds (after one
+// warm-up round) of the wall time and of the thread's CPU time (which does not grow while other
+// processes hold the core), in ms: {B, I, W} wall, then {B, I, W} CPU.
 std::vector<double> split_cost(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape,
                                int rounds) {
   auto x = torch::randn(shape);
   auto g = torch::randn(shape);
-  std::vector<std::vector<double>> ms(3);
-  for (int r = 0; r < rounds; ++r) {
+  std::vector<std::vector<double>> ms(6);
+  auto timed = [&](int k, const std::function<void()>& f) {
+    const double cpu = sw::bench::thread_cpu_us();
+    ms[k].push_back(median_us(f, 1, 0) / 1000.0);
+    ms[k + 3].push_back((sw::bench::thread_cpu_us() - cpu) / 1000.0);
+  };
+  for (int r = 0; r <= rounds; ++r) {
     auto leaf = x.detach().requires_grad_();
     auto y = stage->forward(leaf);
-    ms[0].push_back(median_us([&] { torch::autograd::backward({y}, {g}); }, 1, 0) / 1000.0);
+    timed(0, [&] { torch::autograd::backward({y}, {g}); });
     leaf = x.detach().requires_grad_();
     y = stage->forward(leaf);
     sw::runtime::SplitBackward split;
-    ms[1].push_back(median_us([&] { split.input_grad({y}, {g}, {leaf}); }, 1, 0) / 1000.0);
-    ms[2].push_back(median_us([&] { split.weight_grad(); }, 1, 0) / 1000.0);
+    timed(1, [&] { split.input_grad({y}, {g}, {leaf}); });
+    timed(2, [&] { split.weight_grad(); });
+    if (r == 0) {
+      for (auto& v : ms) v.clear();  // the warm-up round
+    }
   }
   std::vector<double> out;
   for (auto& v : ms) {
@@ -249,7 +260,7 @@ void row(const std::string& name, const Result& r) {
 // stage instead of copying it to another device, and that output is counted on the thread that
 // made it. The MLP's cells keep each layer's input, all of which W reads; examples/gpt's block
 // keeps attention's probabilities and the norms' and GELU's inputs, which only I reads.
-constexpr int kMemRounds = 5;
+int mem_rounds = 5;  // --mem-rounds
 
 torch::nn::Sequential bottleneck(int blocks) {
   torch::manual_seed(0);
@@ -306,13 +317,13 @@ MemorySummary memory_section(const sw::bench::MemoryModel& m, int k) {
   using sw::bench::memory_row_of;
   using Keep = sw::runtime::SplitBackward::Keep;
   auto rows = sw::bench::memory_rows(m, k, /*with_before=*/true);
-  sw::bench::measure_memory(rows, m, k, kMemRounds);
+  sw::bench::measure_memory(rows, m, k, mem_rounds);
   std::printf(
       "activation memory, %s, K=%d workers, M=%d, %d rounds: per worker, peak MiB above its "
       "baseline in one step (measured / schedule::peak_bytes); cells = the simulator's worst "
       "worker's cells over 1F1B's (a V schedule's cell is half a worker's share); bytes/c = "
       "(worst / 1F1B) / cells\n",
-      m.name.c_str(), k, 2 * k, kMemRounds);
+      m.name.c_str(), k, 2 * k, mem_rounds);
   print_cell_bytes(m);
   sw::bench::print_memory(rows);
   const auto& base = rows.front();
@@ -415,15 +426,18 @@ void simulator_table() {
   }
 }
 
-// I + W against a whole backward on one stage of `stage`, printed as `what`; returns the ratio.
+// I + W against a whole backward on one stage of `stage`, printed as `what`; returns the ratio
+// in thread CPU time.
 double split_cost_line(const std::string& what, torch::nn::Sequential stage,
                        const std::vector<std::int64_t>& shape, int rounds) {
   const auto c = split_cost(std::move(stage), shape, rounds);
   std::printf(
-      "split backward (releasing what only I reads), %s: backward %.3f ms; I %.3f ms + W %.3f ms "
-      "= %.3f ms (%.3fx)\n",
-      what.c_str(), c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0]);
-  return (c[1] + c[2]) / c[0];
+      "split backward (releasing what only I reads), %s, %d rounds: backward %.3f ms; I %.3f ms + "
+      "W %.3f ms = %.3f ms (%.3fx); thread CPU time: backward %.3f ms; I %.3f + W %.3f = %.3f ms "
+      "(%.3fx)\n",
+      what.c_str(), rounds, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0], c[3], c[4], c[5],
+      c[4] + c[5], (c[4] + c[5]) / c[3]);
+  return (c[4] + c[5]) / c[3];
 }
 
 void print_header(const torch::nn::Sequential& seq) {
@@ -453,8 +467,10 @@ void print_header(const torch::nn::Sequential& seq) {
 }  // namespace
 
 // Flags: --blas=openblas (benchmarks/common/blas.hpp); --memory-only (the memory sections and the
-// split backward's cost alone); --gpt-dim=256 --gpt-heads=4 --gpt-context=512 --gpt-sequences=2
-// (the GPT block of the memory section); --mlp-k20 (the MLP's memory section at K = 20 too).
+// split backward's cost alone); --gpt-dim=128 --gpt-heads=4 --gpt-context=256 --gpt-sequences=2
+// (the GPT block of the memory section: dim 256 and context 512 keep the same proportions, the
+// probabilities 8 activations, at 8 times the work); --mem-rounds=5 (timed rounds of the memory
+// sections; 0: memory only); --mlp-k20 (the MLP's memory section at K = 20 too).
 int main(int argc, char** argv) {
   sw::bench::select_blas(argc, argv);
   auto& memory = sw::bench::counting_allocator();  // before any tensor exists
@@ -472,16 +488,17 @@ int main(int argc, char** argv) {
     simulator_table();
   }
   gpt::Config c;
-  c.dim = sw::bench::int_flag(argc, argv, "--gpt-dim", 256);
+  c.dim = sw::bench::int_flag(argc, argv, "--gpt-dim", 128);
   c.heads = sw::bench::int_flag(argc, argv, "--gpt-heads", 4);
-  c.context = sw::bench::int_flag(argc, argv, "--gpt-context", 512);
+  c.context = sw::bench::int_flag(argc, argv, "--gpt-context", 256);
   gpt::check(c);
   const std::int64_t sequences = sw::bench::int_flag(argc, argv, "--gpt-sequences", 2);
+  mem_rounds = sw::bench::int_flag(argc, argv, "--mem-rounds", 5);
   const auto gpt = gpt_model(c, sequences);
   const auto mlp = mlp_model();
   split_cost_line("MLP stage of 4 x [Linear(256,256), ReLU], 128 rows", linear_relu(kBlocks / 2),
                   {kBatch / kChunks, kWidth}, 31);
-  const double gpt_split = split_cost_line("GPT block", gpt.make(1), gpt.micro_batch, 11);
+  const double gpt_split = split_cost_line("GPT block", gpt.make(1), gpt.micro_batch, 21);
   // The paper's fractions, (K+2)/2 and (K+4)/3 of 1F1B's K: 5/8 and 4/8 at K = 8, where the keys
   // come from (K threads share this machine's cores: the step times say what the schedules cost
   // in work and hand-offs, not in bubbles).

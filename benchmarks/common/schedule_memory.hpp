@@ -163,7 +163,7 @@ inline void print_memory(const std::vector<MemoryRow>& rows) {
                                                                                 : "whole graph";
     const double ratio = r.worst() / base.worst();
     const double cells = r.cells() / base.cells();
-    if (r.timed) {
+    if (!r.step_ms.empty()) {
       std::printf("  %-15s %-12s %9.1f %9.1f %9.1f", r.name.c_str(), keeps, r.median_ms(),
                   r.step_ms.front(), r.step_ms.back());
     } else {

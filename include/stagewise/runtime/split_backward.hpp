@@ -99,6 +99,9 @@ class SplitBackward {
   ///   SplitBackward split(SplitBackward::Keep::whole_graph);
   explicit SplitBackward(Keep keep = default_keep()) : keep_(keep) {}
 
+  /// What this split keeps between I and W.
+  Keep keep() const { return keep_; }
+
   /// What SplitBackward keeps when made without saying: `Keep::what_w_reads` unless set otherwise
   /// with `set_default_keep` (the pipes' executors make theirs that way).
   static Keep default_keep() { return default_keep_slot().load(std::memory_order_relaxed); }
