@@ -10,6 +10,7 @@
 
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/cell_bytes.hpp"
+#include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/cpu_time.hpp"
 #include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/gpt_block.hpp"
@@ -476,6 +477,7 @@ int main(int argc, char** argv) {
   auto& memory = sw::bench::counting_allocator();  // before any tensor exists
   (void)memory;
   at::set_num_threads(1);
+  sw::bench::Conditions conditions("schedules");
   torch::manual_seed(0);
   auto seq = linear_relu(kBlocks);
   auto x = torch::randn({kBatch, kWidth});
@@ -508,6 +510,7 @@ int main(int argc, char** argv) {
   memory_section(gpt, 4);
   const auto g8 = memory_section(gpt, 8);
   std::printf("load average at end: %s\n", load().c_str());
+  conditions.print_end();
   std::ostringstream last;
   last << "schedules";
   if (!memory_only) {

@@ -55,8 +55,11 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage,
     c.working = whole_working;
     return c;
   }
+  // The gradient a cell receives from the next stage stays with it until its W (W starts from
+  // it), where a device would hold it: counted as the cell's from its I on.
+  const double received = last ? 0.0 : static_cast<double>(g.nbytes());
   if (first) {
-    c.input_grad = c.forward;
+    c.input_grad = c.forward + received;
     c.weight_working = whole_working;
     return c;
   }
@@ -70,7 +73,8 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage,
     auto loss = torch::mse_loss(y, t);
     split.input_grad({loss}, {torch::ones_like(loss)}, {leaf});
   } else {
-    split.input_grad({y}, {g}, {leaf});
+    auto received_g = g.clone();
+    split.input_grad({y}, {received_g}, {leaf});
   }
   c.working = static_cast<double>(memory.peak() - before) - kept;
   y = torch::Tensor();
