@@ -15,7 +15,9 @@
 #include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/gpt_block.hpp"
 #include "benchmarks/common/memory.hpp"
+#include "benchmarks/common/rounds.hpp"
 #include "benchmarks/common/schedule_memory.hpp"
+#include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
 #include <algorithm>
@@ -48,6 +50,7 @@ torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
 
 struct Result {
   double step_ms = 0;  // median over the rounds
+  std::vector<double> round_ms;  // each round's step, in round order
   double min_ms = 0;
   double max_ms = 0;
   double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
@@ -119,6 +122,7 @@ void measure(std::vector<Candidate>& cs, int rounds) {
   for (std::size_t k = 0; k < cs.size(); ++k) {
     auto& c = cs[k];
     auto& r = c.result;
+    r.round_ms = ms[k];
     std::sort(ms[k].begin(), ms[k].end());
     r.step_ms = ms[k][ms[k].size() / 2];
     r.min_ms = ms[k].front();
@@ -162,39 +166,62 @@ void measure(std::vector<Candidate>& cs, int rounds) {
   }
 }
 
-// The split backward alone: `stage` on one micro-batch of shape `shape`, backward whole versus
-// I then W, the split releasing what only I reads: medians over interleaved rounds (after one
-// warm-up round) of the wall time and of the thread's CPU time (which does not grow while other
-// processes hold the core), in ms: {B, I, W} wall, then {B, I, W} CPU.
-std::vector<double> split_cost(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape,
-                               int rounds) {
+// The split backward alone: `stage` on one micro-batch of shape `shape`, a whole backward
+// against I then W releasing what only I reads, and against I then W keeping the whole graph
+// (the behaviour before issue 44), in interleaved rounds after one warm-up round: per variant
+// the medians of the wall time and of the thread's CPU time (which does not grow while other
+// processes hold the core), in ms, and each split's CPU time over the backward's taken within
+// each round.
+struct SplitCost {
+  double wall_b = 0, wall_i = 0, wall_w = 0, cpu_b = 0, cpu_i = 0, cpu_w = 0;
+  sw::bench::Summary release, keep;  // (I + W) / B, CPU time, per round
+};
+
+SplitCost split_cost(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape,
+                     int rounds) {
+  using Keep = sw::runtime::SplitBackward::Keep;
   auto x = torch::randn(shape);
   auto g = torch::randn(shape);
-  std::vector<std::vector<double>> ms(6);
-  auto timed = [&](int k, const std::function<void()>& f) {
-    const double cpu = sw::bench::thread_cpu_us();
-    ms[k].push_back(median_us(f, 1, 0) / 1000.0);
-    ms[k + 3].push_back((sw::bench::thread_cpu_us() - cpu) / 1000.0);
+  // Per round: wall B, I, W; CPU B, I, W (releasing); CPU I + W keeping the whole graph.
+  std::vector<std::vector<double>> ms(7);
+  auto timed = [&](int wall, int cpu, const std::function<void()>& f) {
+    const double t0 = sw::bench::thread_cpu_us();
+    const double us = median_us(f, 1, 0);
+    if (wall >= 0) ms[wall].push_back(us / 1000.0);
+    ms[cpu].push_back((sw::bench::thread_cpu_us() - t0) / 1000.0);
   };
   for (int r = 0; r <= rounds; ++r) {
     auto leaf = x.detach().requires_grad_();
     auto y = stage->forward(leaf);
-    timed(0, [&] { torch::autograd::backward({y}, {g}); });
-    leaf = x.detach().requires_grad_();
-    y = stage->forward(leaf);
-    sw::runtime::SplitBackward split;
-    timed(1, [&] { split.input_grad({y}, {g}, {leaf}); });
-    timed(2, [&] { split.weight_grad(); });
+    timed(0, 3, [&] { torch::autograd::backward({y}, {g}); });
+    for (Keep keep : {Keep::what_w_reads, Keep::whole_graph}) {
+      leaf = x.detach().requires_grad_();
+      y = stage->forward(leaf);
+      sw::runtime::SplitBackward split(keep);
+      const bool release = keep == Keep::what_w_reads;
+      const double before = release ? 0.0 : sw::bench::thread_cpu_us();
+      timed(release ? 1 : -1, release ? 4 : 6, [&] { split.input_grad({y}, {g}, {leaf}); });
+      timed(release ? 2 : -1, release ? 5 : 6, [&] { split.weight_grad(); });
+      if (!release) {
+        ms[6].pop_back();
+        ms[6].back() = (sw::bench::thread_cpu_us() - before) / 1000.0;
+      }
+    }
     if (r == 0) {
       for (auto& v : ms) v.clear();  // the warm-up round
     }
   }
-  std::vector<double> out;
-  for (auto& v : ms) {
-    std::sort(v.begin(), v.end());
-    out.push_back(v[v.size() / 2]);
+  std::vector<double> release, keep;
+  for (std::size_t r = 0; r < ms[3].size(); ++r) {
+    release.push_back((ms[4][r] + ms[5][r]) / ms[3][r]);
+    keep.push_back(ms[6][r] / ms[3][r]);
   }
-  return out;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {median(ms[0]), median(ms[1]), median(ms[2]), median(ms[3]), median(ms[4]),
+          median(ms[5]), sw::bench::summarize(release), sw::bench::summarize(keep)};
 }
 
 torch::nn::Sequential linear_relu(int blocks) {
@@ -310,7 +337,8 @@ void print_cell_bytes(const sw::bench::MemoryModel& m) {
 
 struct MemorySummary {
   double vhalf_peak = 0, vmin_peak = 0, vhalf_cells = 0, vmin_cells = 0, zbv_peak = 0;
-  double release_saving = 0, vhalf_time = 0, vmin_time = 0;
+  double release_saving = 0;
+  sw::bench::Summary vhalf_time, vmin_time;  // per-round ratios
 };
 
 // The memory section on `m` with K = `k` workers, M = 2K: the table and its summary.
@@ -338,14 +366,19 @@ MemorySummary memory_section(const sw::bench::MemoryModel& m, int k) {
   s.zbv_peak = memory_row_of(rows, "zero_bubble_v").worst() / base.worst();
   s.release_saving = memory_row_of(rows, "zero_bubble_h1").worst() /
                      memory_row_of(rows, "zero_bubble_h1", Keep::whole_graph).worst();
-  s.vhalf_time = half.median_ms() / base.median_ms();
-  s.vmin_time = min.median_ms() / base.median_ms();
+  s.vhalf_time = sw::bench::time_ratio(half, base);
+  s.vmin_time = sw::bench::time_ratio(min, base);
   std::printf(
-      "  V-Half / 1F1B: peak %.3f (cells %.3f, bytes/cells %.3f), step %.3f; V-Min / 1F1B: peak "
-      "%.3f (cells %.3f, bytes/cells %.3f), step %.3f; ZB-V / 1F1B peak %.3f; ZB-H1 peak with the "
-      "release / keeping the whole graph %.3f\n",
-      s.vhalf_peak, s.vhalf_cells, s.vhalf_peak / s.vhalf_cells, s.vhalf_time, s.vmin_peak,
-      s.vmin_cells, s.vmin_peak / s.vmin_cells, s.vmin_time, s.zbv_peak, s.release_saving);
+      "  V-Half / 1F1B: peak %.3f (cells %.3f, bytes/cells %.3f); V-Min / 1F1B: peak %.3f (cells "
+      "%.3f, bytes/cells %.3f); ZB-V / 1F1B peak %.3f; ZB-H1 peak with the release / keeping the "
+      "whole graph %.3f\n",
+      s.vhalf_peak, s.vhalf_cells, s.vhalf_peak / s.vhalf_cells, s.vmin_peak, s.vmin_cells,
+      s.vmin_peak / s.vmin_cells, s.zbv_peak, s.release_saving);
+  const std::string where = m.name.substr(0, m.name.find(',')) + ", K = " + std::to_string(k);
+  if (mem_rounds > 0) {
+    sw::bench::print_figure("V-Half / 1F1B step time, " + where, s.vhalf_time, "");
+    sw::bench::print_figure("V-Min / 1F1B step time, " + where, s.vmin_time, "");
+  }
   return s;
 }
 
@@ -401,6 +434,13 @@ std::map<int, std::map<std::string, Result>> step_section(torch::nn::Sequential&
       results[k][c.name] = c.result;
     }
     ratios(k, results[k]);
+    // The same within each round, with its spread.
+    std::vector<double> zb;
+    const auto& a = results[k]["zero_bubble_h1"].round_ms;
+    const auto& b = results[k]["one_f_one_b"].round_ms;
+    for (std::size_t r = 0; r < a.size() && r < b.size(); ++r) zb.push_back(a[r] / b[r]);
+    sw::bench::print_figure("ZB-H1 / 1F1B step time, K = " + std::to_string(k) + ", per round",
+                            sw::bench::summarize(zb), "");
   }
   return results;
 }
@@ -427,8 +467,8 @@ void simulator_table() {
   }
 }
 
-// I + W against a whole backward on one stage of `stage`, printed as `what`; returns the ratio
-// in thread CPU time.
+// I + W against a whole backward on one stage of `stage`, printed as `what`; returns the split's
+// CPU time over the backward's (the median of the per-round ratios).
 double split_cost_line(const std::string& what, torch::nn::Sequential stage,
                        const std::vector<std::int64_t>& shape, int rounds) {
   const auto c = split_cost(std::move(stage), shape, rounds);
@@ -436,9 +476,12 @@ double split_cost_line(const std::string& what, torch::nn::Sequential stage,
       "split backward (releasing what only I reads), %s, %d rounds: backward %.3f ms; I %.3f ms + "
       "W %.3f ms = %.3f ms (%.3fx); thread CPU time: backward %.3f ms; I %.3f + W %.3f = %.3f ms "
       "(%.3fx)\n",
-      what.c_str(), rounds, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0], c[3], c[4], c[5],
-      c[4] + c[5], (c[4] + c[5]) / c[3]);
-  return (c[4] + c[5]) / c[3];
+      what.c_str(), rounds, c.wall_b, c.wall_i, c.wall_w, c.wall_i + c.wall_w,
+      (c.wall_i + c.wall_w) / c.wall_b, c.cpu_b, c.cpu_i, c.cpu_w, c.cpu_i + c.cpu_w,
+      (c.cpu_i + c.cpu_w) / c.cpu_b);
+  sw::bench::print_figure("(I + W) / backward, CPU, release, " + what, c.release, "");
+  sw::bench::print_figure("(I + W) / backward, CPU, whole graph, " + what, c.keep, "");
+  return c.release.median;
 }
 
 void print_header(const torch::nn::Sequential& seq) {
@@ -468,7 +511,8 @@ void print_header(const torch::nn::Sequential& seq) {
 }  // namespace
 
 // Flags: --blas=openblas (benchmarks/common/blas.hpp); --memory-only (the memory sections and the
-// split backward's cost alone); --gpt-dim=128 --gpt-heads=4 --gpt-context=256 --gpt-sequences=2
+// split backward's cost alone); --split-only (the split backward's cost alone, --split-rounds=21
+// rounds on the GPT block); --gpt-dim=128 --gpt-heads=4 --gpt-context=256 --gpt-sequences=2
 // (the GPT block of the memory section: dim 256 and context 512 keep the same proportions, the
 // probabilities 8 activations, at 8 times the work); --mem-rounds=5 (timed rounds of the memory
 // sections; 0: memory only); --mlp-k20 (the MLP's memory section at K = 20 too).
@@ -500,7 +544,9 @@ int main(int argc, char** argv) {
   const auto mlp = mlp_model();
   split_cost_line("MLP stage of 4 x [Linear(256,256), ReLU], 128 rows", linear_relu(kBlocks / 2),
                   {kBatch / kChunks, kWidth}, 31);
-  const double gpt_split = split_cost_line("GPT block", gpt.make(1), gpt.micro_batch, 21);
+  const int split_rounds = sw::bench::int_flag(argc, argv, "--split-rounds", 21);
+  const double gpt_split = split_cost_line("GPT block", gpt.make(1), gpt.micro_batch, split_rounds);
+  if (sw::bench::has_flag(argc, argv, "--split-only")) return 0;
   // The paper's fractions, (K+2)/2 and (K+4)/3 of 1F1B's K: 5/8 and 4/8 at K = 8, where the keys
   // come from (K threads share this machine's cores: the step times say what the schedules cost
   // in work and hand-offs, not in bubbles).
@@ -528,7 +574,8 @@ int main(int argc, char** argv) {
        << " vhalf_bytes_vs_cells=" << g8.vhalf_peak / g8.vhalf_cells
        << " vmin_bytes_vs_cells=" << g8.vmin_peak / g8.vmin_cells
        << " zbv_peak_ratio=" << g8.zbv_peak << " release_saving=" << g8.release_saving
-       << " vhalf_time_ratio=" << g8.vhalf_time << " vmin_time_ratio=" << g8.vmin_time
+       << " vhalf_time_ratio=" << g8.vhalf_time.median
+       << " vmin_time_ratio=" << g8.vmin_time.median
        << " split_vs_backward=" << gpt_split;
   std::cout << last.str() << std::endl;
   return 0;

@@ -8,6 +8,7 @@
 
 #include "benchmarks/common/cell_bytes.hpp"
 #include "benchmarks/common/memory.hpp"
+#include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
 #include <stagewise/stagewise.hpp>
@@ -41,6 +42,7 @@ struct MemoryRow {
   std::function<void()> step;
   schedule::Plan plan;
   std::vector<double> step_ms;      ///< sorted, one per round
+  std::vector<double> round_ms;     ///< the same in round order
   std::vector<long long> measured;  ///< per worker, peak rise in one step
   std::vector<double> predicted;    ///< schedule::peak_bytes
   int worker_cells = 0;             ///< the simulator's most cells alive on one worker
@@ -122,10 +124,11 @@ inline void measure_memory(std::vector<MemoryRow>& rows, const MemoryModel& mode
   for (auto& r : rows) keeping(r.keep, r.step);  // warm-up: gradients exist from here on
   for (int round = 0; round < rounds; ++round) {
     for (auto& r : rows) {
-      if (r.timed) r.step_ms.push_back(median_us([&] { r.step(); }, 1, 0) / 1000.0);
+      if (r.timed) r.round_ms.push_back(median_us([&] { r.step(); }, 1, 0) / 1000.0);
     }
   }
   for (auto& r : rows) {
+    r.step_ms = r.round_ms;
     std::sort(r.step_ms.begin(), r.step_ms.end());
     keeping(r.keep, [&] {
       const auto before = memory.thread_current();
@@ -172,6 +175,15 @@ inline void print_memory(const std::vector<MemoryRow>& rows) {
     std::printf(" %9.2f %7.3f %7.3f %7.3f |%s\n", r.worst() / (1 << 20), ratio, cells,
                 ratio / cells, per.c_str());
   }
+}
+
+/// `r`'s step time over `base`'s, taken within each round: median, min and max.
+///   auto s = time_ratio(memory_row_of(rows, "v_half"), rows.front());
+inline Summary time_ratio(const MemoryRow& r, const MemoryRow& base) {
+  std::vector<double> ratios;
+  for (std::size_t k = 0; k < r.round_ms.size() && k < base.round_ms.size(); ++k)
+    ratios.push_back(r.round_ms[k] / base.round_ms[k]);
+  return ratios.empty() ? Summary{} : summarize(ratios);
 }
 
 /// The row of `name` keeping `keep` (split schedules) among `rows`.
