@@ -8,12 +8,21 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/cell_bytes.hpp"
+#include "benchmarks/common/conditions.hpp"
+#include "benchmarks/common/cpu_time.hpp"
+#include "benchmarks/common/flags.hpp"
+#include "benchmarks/common/gpt_block.hpp"
 #include "benchmarks/common/memory.hpp"
+#include "benchmarks/common/rounds.hpp"
+#include "benchmarks/common/schedule_memory.hpp"
+#include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <cstdio>
 #include <fstream>
@@ -44,6 +53,7 @@ torch::Tensor mse(const torch::Tensor& o, const torch::Tensor& t) {
 
 struct Result {
   double step_ms = 0;  // median over the rounds
+  std::vector<double> round_ms;  // each round's step, in round order
   double min_ms = 0;
   double max_ms = 0;
   double peak_mib = 0;  // all tensor memory at the peak (parameters, gradients, data included)
@@ -115,6 +125,7 @@ void measure(std::vector<Candidate>& cs, int rounds) {
   for (std::size_t k = 0; k < cs.size(); ++k) {
     auto& c = cs[k];
     auto& r = c.result;
+    r.round_ms = ms[k];
     std::sort(ms[k].begin(), ms[k].end());
     r.step_ms = ms[k][ms[k].size() / 2];
     r.min_ms = ms[k].front();
@@ -158,33 +169,71 @@ void measure(std::vector<Candidate>& cs, int rounds) {
   }
 }
 
-// The split backward alone: one stage of `blocks` blocks on one micro-batch, backward whole
-// versus I then W (medians in ms, interleaved rounds).
-std::vector<double> split_cost(int blocks, int rows, int rounds) {
+// The split backward alone: `stage` on one micro-batch of shape `shape`, a whole backward
+// against I then W releasing what only I reads, and against I then W keeping the whole graph
+// (the behaviour before issue 44), in interleaved rounds after one warm-up round: per variant
+// the medians of the wall time and of the thread's CPU time (which does not grow while other
+// processes hold the core), in ms, and each split's CPU time over the backward's taken within
+// each round.
+struct SplitCost {
+  double wall_b = 0, wall_i = 0, wall_w = 0, cpu_b = 0, cpu_i = 0, cpu_w = 0;
+  sw::bench::Summary release, keep;  // (I + W) / B, CPU time, per round
+};
+
+SplitCost split_cost(torch::nn::Sequential stage, const std::vector<std::int64_t>& shape,
+                     int rounds) {
+  using Keep = sw::runtime::SplitBackward::Keep;
+  auto x = torch::randn(shape);
+  auto g = torch::randn(shape);
+  // Per round: wall B, I, W; CPU B, I, W (releasing); CPU I + W keeping the whole graph.
+  std::vector<std::vector<double>> ms(7);
+  auto timed = [&](int wall, int cpu, const std::function<void()>& f) {
+    const double t0 = sw::bench::thread_cpu_us();
+    const double us = median_us(f, 1, 0);
+    if (wall >= 0) ms[wall].push_back(us / 1000.0);
+    ms[cpu].push_back((sw::bench::thread_cpu_us() - t0) / 1000.0);
+  };
+  for (int r = 0; r <= rounds; ++r) {
+    auto leaf = x.detach().requires_grad_();
+    auto y = stage->forward(leaf);
+    timed(0, 3, [&] { torch::autograd::backward({y}, {g}); });
+    for (Keep keep : {Keep::what_w_reads, Keep::whole_graph}) {
+      leaf = x.detach().requires_grad_();
+      y = stage->forward(leaf);
+      sw::runtime::SplitBackward split(keep);
+      const bool release = keep == Keep::what_w_reads;
+      const double before = release ? 0.0 : sw::bench::thread_cpu_us();
+      timed(release ? 1 : -1, release ? 4 : 6, [&] { split.input_grad({y}, {g}, {leaf}); });
+      timed(release ? 2 : -1, release ? 5 : 6, [&] { split.weight_grad(); });
+      if (!release) {
+        ms[6].pop_back();
+        ms[6].back() = (sw::bench::thread_cpu_us() - before) / 1000.0;
+      }
+    }
+    if (r == 0) {
+      for (auto& v : ms) v.clear();  // the warm-up round
+    }
+  }
+  std::vector<double> release, keep;
+  for (std::size_t r = 0; r < ms[3].size(); ++r) {
+    release.push_back((ms[4][r] + ms[5][r]) / ms[3][r]);
+    keep.push_back(ms[6][r] / ms[3][r]);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {median(ms[0]), median(ms[1]), median(ms[2]), median(ms[3]), median(ms[4]),
+          median(ms[5]), sw::bench::summarize(release), sw::bench::summarize(keep)};
+}
+
+torch::nn::Sequential linear_relu(int blocks) {
   torch::nn::Sequential stage;
   for (int i = 0; i < blocks; ++i) {
     stage->push_back(torch::nn::Linear(kWidth, kWidth));
     stage->push_back(torch::nn::ReLU());
   }
-  auto x = torch::randn({rows, kWidth});
-  auto g = torch::randn({rows, kWidth});
-  std::vector<std::vector<double>> ms(3);
-  for (int r = 0; r < rounds; ++r) {
-    auto leaf = x.detach().requires_grad_();
-    auto y = stage->forward(leaf);
-    ms[0].push_back(median_us([&] { torch::autograd::backward({y}, {g}); }, 1, 0) / 1000.0);
-    leaf = x.detach().requires_grad_();
-    y = stage->forward(leaf);
-    sw::runtime::SplitBackward split;
-    ms[1].push_back(median_us([&] { split.input_grad({y}, {g}, {leaf}); }, 1, 0) / 1000.0);
-    ms[2].push_back(median_us([&] { split.weight_grad(); }, 1, 0) / 1000.0);
-  }
-  std::vector<double> out;
-  for (auto& v : ms) {
-    std::sort(v.begin(), v.end());
-    out.push_back(v[v.size() / 2]);
-  }
-  return out;
+  return stage;
 }
 
 // The machine's load average, to judge how disturbed the timings are.
@@ -237,120 +286,230 @@ void row(const std::string& name, const Result& r) {
 }
 
 // --- Activation memory per worker: what V-Half and V-Min are for -------------------------------
-// A model whose blocks keep most of their activations inside (Linear(64, 512), ReLU,
-// Linear(512, 64)), so that what a worker's thread allocates is what its cells keep: the
-// in-process pipe shares a stage's output with the next stage instead of copying it to another
-// device, and that output is counted on the thread that made it.
-constexpr int kMemWidth = 64;
-constexpr int kMemHidden = 512;
-constexpr int kMemRows = 64;  // per micro-batch
-constexpr int kMemRounds = 5;
+// Models whose blocks keep most of their activations inside, so that what a worker's thread
+// allocates is what its cells keep: the in-process pipe shares a stage's output with the next
+// stage instead of copying it to another device, and that output is counted on the thread that
+// made it. The MLP's cells keep each layer's input, all of which W reads; examples/gpt's block
+// keeps attention's probabilities and the norms' and GELU's inputs, which only I reads.
+int mem_rounds = 5;  // --mem-rounds
 
 torch::nn::Sequential bottleneck(int blocks) {
   torch::manual_seed(0);
   torch::nn::Sequential seq;
   for (int i = 0; i < blocks; ++i) {
-    seq->push_back(torch::nn::Linear(kMemWidth, kMemHidden));
+    seq->push_back(torch::nn::Linear(64, 512));
     seq->push_back(torch::nn::ReLU());
-    seq->push_back(torch::nn::Linear(kMemHidden, kMemWidth));
+    seq->push_back(torch::nn::Linear(512, 64));
   }
   return seq;
 }
 
-struct MemoryRow {
-  std::string name;
-  int stages = 0;
-  bool split = false;
-  std::function<void()> step;
-  sched::Plan plan;
-  std::vector<double> step_ms;
-  std::vector<long long> measured;  // per worker, peak rise in one step
-  std::vector<double> predicted;    // schedule::peak_bytes
+sw::bench::MemoryModel mlp_model() {
+  return {"MLP, 2K x [Linear(64,512), ReLU, Linear(512,64)], 64 rows per micro-batch", bottleneck,
+          {64, 64}};
+}
+
+sw::bench::MemoryModel gpt_model(const gpt::Config& c, std::int64_t sequences) {
+  char name[160];
+  std::snprintf(name, sizeof name,
+                "GPT, 2K x examples/gpt's block (dim %lld, %lld heads, context %lld), %lld "
+                "sequences per micro-batch",
+                static_cast<long long>(c.dim), static_cast<long long>(c.heads),
+                static_cast<long long>(c.context), static_cast<long long>(sequences));
+  return {name, [c](int blocks) { return sw::bench::gpt_blocks(c, blocks); },
+          {sequences, c.context, c.dim}};
+}
+
+// What one cell of one block keeps and works with, as a middle stage, and with the release.
+void print_cell_bytes(const sw::bench::MemoryModel& m) {
+  using Keep = sw::runtime::SplitBackward::Keep;
+  const auto whole = sw::bench::cell_bytes(m.make(1), m.micro_batch, false, false, false);
+  sched::CellBytes after, before;
+  sw::bench::keeping(Keep::what_w_reads,
+                     [&] { after = sw::bench::cell_bytes(m.make(1), m.micro_batch, false, false, true); });
+  sw::bench::keeping(Keep::whole_graph,
+                     [&] { before = sw::bench::cell_bytes(m.make(1), m.micro_batch, false, false, true); });
+  const double mib = 1 << 20;
+  std::printf(
+      "  CellBytes of one block as a middle stage: F to I %.2f MiB; I to W %.2f MiB (%.3f of F; "
+      "keeping the whole graph %.2f MiB, %.3f); working: B %.2f, I %.2f, W %.2f MiB\n",
+      after.forward / mib, after.input_grad / mib, after.input_grad / after.forward,
+      before.input_grad / mib, before.input_grad / before.forward, whole.working / mib,
+      after.working / mib, after.weight_working / mib);
+}
+
+struct MemorySummary {
+  double vhalf_peak = 0, vmin_peak = 0, vhalf_cells = 0, vmin_cells = 0, zbv_peak = 0;
+  double release_saving = 0;
+  sw::bench::Summary vhalf_time, vmin_time;  // per-round ratios
 };
 
-// 2K blocks: one per stage of the V schedules, two per stage of 1F1B and ZB-H1.
-template <class Schedule>
-MemoryRow memory_row(const std::string& name, int k, int stages, bool split, Schedule s) {
-  auto seq = bottleneck(2 * k);
-  auto pipe = sw::Pipe(seq, sw::even_balance(seq->size(), stages),
-                       sw::PipeOptions().chunks(2 * k).checkpoint("never"));
-  const auto x = torch::randn({kMemRows * 2 * k, kMemWidth});
-  const auto t = torch::randn({kMemRows * 2 * k, kMemWidth});
-  MemoryRow r;
-  r.name = name;
-  r.stages = stages;
-  r.split = split;
-  r.step = [pipe, s, x, t]() mutable { pipe->train_step(x, t, mse, s); };
-  r.plan = sched::plan(s, stages, 2 * k);
-  return r;
-}
-
-// Returns {V-Half, V-Min} x {peak ratio, time ratio} over 1F1B's, the worst worker and medians.
-std::vector<double> memory_section(int k) {
-  auto& memory = sw::bench::counting_allocator();
-  std::vector<MemoryRow> rows;
-  rows.push_back(memory_row("one_f_one_b", k, k, false, sched::one_f_one_b{}));
-  rows.push_back(memory_row("zero_bubble_h1", k, k, true, sched::zero_bubble_h1{}));
-  rows.push_back(memory_row("zero_bubble_v", k, 2 * k, true, sched::zero_bubble_v{}));
-  rows.push_back(memory_row("v_half", k, 2 * k, true, sched::v_half{}));
-  rows.push_back(memory_row("v_min", k, 2 * k, true, sched::v_min{}));
-  for (auto& r : rows) r.step();  // warm-up: gradients exist from here on
-  for (int round = 0; round < kMemRounds; ++round) {
-    for (auto& r : rows) r.step_ms.push_back(median_us([&] { r.step(); }, 1, 0) / 1000.0);
-  }
-  for (auto& r : rows) {
-    std::sort(r.step_ms.begin(), r.step_ms.end());
-    const auto before = memory.thread_current();
-    memory.reset_peak();
-    r.step();
-    // Only this pipe's workers allocate during its step: its threads, in the order they were made.
-    for (long long rise : memory.thread_rises(before)) {
-      if (rise > 1024) r.measured.push_back(rise);
-    }
-    const int per_stage = 2 * k / r.stages;
-    r.predicted = sched::peak_bytes(
-        r.plan, sw::bench::stage_cell_bytes([&] { return bottleneck(per_stage); }, r.stages,
-                                            kMemRows, kMemWidth, r.split));
-  }
+// The memory section on `m` with K = `k` workers, M = 2K: the table and its summary.
+MemorySummary memory_section(const sw::bench::MemoryModel& m, int k) {
+  using sw::bench::memory_row_of;
+  using Keep = sw::runtime::SplitBackward::Keep;
+  auto rows = sw::bench::memory_rows(m, k, /*with_before=*/true);
+  sw::bench::measure_memory(rows, m, k, mem_rounds);
   std::printf(
-      "activation memory, K=%d workers, M=%d, %d x [Linear(%d,%d), ReLU, Linear(%d,%d)], %d rows "
-      "per micro-batch, %d rounds: per worker, peak KiB above its baseline in one step "
-      "(measured / schedule::peak_bytes)\n",
-      k, 2 * k, 2 * k, kMemWidth, kMemHidden, kMemHidden, kMemWidth, kMemRows, kMemRounds);
-  std::printf("  %-16s %9s %9s %9s %9s %9s | %s\n", "schedule", "median ms", "min", "max",
-              "worst KiB", "/ 1F1B", "per worker: measured/predicted KiB");
-  auto worst = [](const MemoryRow& r) {
-    return r.measured.empty() ? 0.0
-                              : double(*std::max_element(r.measured.begin(), r.measured.end()));
-  };
-  const double base_peak = worst(rows[0]);
-  const double base_ms = rows[0].step_ms[rows[0].step_ms.size() / 2];
-  for (const auto& r : rows) {
-    std::string per;
-    for (std::size_t w = 0; w < r.predicted.size(); ++w) {
-      const double m = w < r.measured.size() ? double(r.measured[w]) / 1024 : -1.0;
-      char buf[48];
-      std::snprintf(buf, sizeof buf, " %.0f/%.0f", m, r.predicted[w] / 1024);
-      per += buf;
-    }
-    std::printf("  %-16s %9.2f %9.2f %9.2f %9.0f %9.3f |%s\n", r.name.c_str(),
-                r.step_ms[r.step_ms.size() / 2], r.step_ms.front(), r.step_ms.back(),
-                worst(r) / 1024, worst(r) / base_peak, per.c_str());
+      "activation memory, %s, K=%d workers, M=%d, %d rounds: per worker, peak MiB above its "
+      "baseline in one step (measured / schedule::peak_bytes); cells = the simulator's worst "
+      "worker's cells over 1F1B's (a V schedule's cell is half a worker's share); bytes/c = "
+      "(worst / 1F1B) / cells\n",
+      m.name.c_str(), k, 2 * k, mem_rounds);
+  print_cell_bytes(m);
+  sw::bench::print_memory(rows);
+  const auto& base = rows.front();
+  const auto& half = memory_row_of(rows, "v_half");
+  const auto& min = memory_row_of(rows, "v_min");
+  MemorySummary s;
+  s.vhalf_peak = half.worst() / base.worst();
+  s.vmin_peak = min.worst() / base.worst();
+  s.vhalf_cells = half.cells() / base.cells();
+  s.vmin_cells = min.cells() / base.cells();
+  s.zbv_peak = memory_row_of(rows, "zero_bubble_v").worst() / base.worst();
+  s.release_saving = memory_row_of(rows, "zero_bubble_h1").worst() /
+                     memory_row_of(rows, "zero_bubble_h1", Keep::whole_graph).worst();
+  s.vhalf_time = sw::bench::time_ratio(half, base);
+  s.vmin_time = sw::bench::time_ratio(min, base);
+  std::printf(
+      "  V-Half / 1F1B: peak %.3f (cells %.3f, bytes/cells %.3f); V-Min / 1F1B: peak %.3f (cells "
+      "%.3f, bytes/cells %.3f); ZB-V / 1F1B peak %.3f; ZB-H1 peak with the release / keeping the "
+      "whole graph %.3f\n",
+      s.vhalf_peak, s.vhalf_cells, s.vhalf_peak / s.vhalf_cells, s.vmin_peak, s.vmin_cells,
+      s.vmin_peak / s.vmin_cells, s.zbv_peak, s.release_saving);
+  const std::string where = m.name.substr(0, m.name.find(',')) + ", K = " + std::to_string(k);
+  if (mem_rounds > 0) {
+    sw::bench::print_figure("V-Half / 1F1B step time, " + where, s.vhalf_time, "");
+    sw::bench::print_figure("V-Min / 1F1B step time, " + where, s.vmin_time, "");
   }
-  const auto& half = rows[3];
-  const auto& min = rows[4];
-  std::printf("  V-Half / 1F1B: peak %.3f (paper %d/%d = %.3f), step %.3f; V-Min / 1F1B: peak %.3f "
-              "(paper %d/%d = %.3f), step %.3f\n",
-              worst(half) / base_peak, (k + 2) / 2, k, double((k + 2) / 2) / k,
-              half.step_ms[half.step_ms.size() / 2] / base_ms, worst(min) / base_peak,
-              (k + 4) / 3, k, double((k + 4) / 3) / k,
-              min.step_ms[min.step_ms.size() / 2] / base_ms);
-  return {worst(half) / base_peak, worst(min) / base_peak,
-          half.step_ms[half.step_ms.size() / 2] / base_ms,
-          min.step_ms[min.step_ms.size() / 2] / base_ms};
+  return s;
 }
 
-}  // namespace
+// The step-time section's ratios for K = `k`.
+void ratios(int k, std::map<std::string, Result>& r) {
+  std::printf("  1F1B / GPipe peak: %.3f (activations above baseline: %.3f; K/M = %.3f)\n",
+              r["one_f_one_b"].peak_mib / r["gpipe"].peak_mib,
+              r["one_f_one_b"].activation_mib / r["gpipe"].activation_mib, double(k) / kChunks);
+  std::printf(
+      "  ZB-H1 / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
+      "costs); peak memory: %.3f in all, %.3f per worker\n",
+      r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms, r["zero_bubble_h1"].min_ms / r["one_f_one_b"].min_ms,
+      r["zero_bubble_h1"].predicted_ms / r["one_f_one_b"].predicted_ms,
+      r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib,
+      r["zero_bubble_h1"].worker_mib / r["one_f_one_b"].worker_mib);
+  for (const char* v : {"zero_bubble_v", "v_half", "v_min"}) {
+    std::printf(
+        "  %s / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
+        "costs); peak memory: %.3f in all, %.3f per worker (worst; simulator: %d / %d cells "
+        "of half a worker's share, against 1F1B's %d whole)\n",
+        v, r[v].step_ms / r["one_f_one_b"].step_ms, r[v].min_ms / r["one_f_one_b"].min_ms,
+        r[v].predicted_ms / r["one_f_one_b"].predicted_ms, r[v].peak_mib / r["one_f_one_b"].peak_mib,
+        r[v].worker_mib / r["one_f_one_b"].worker_mib, r[v].worker_cells, 2 * k,
+        r["one_f_one_b"].worker_cells);
+  }
+}
+
+// The step-time section on `seq` for K = 2 and 4: the table per K and its ratios.
+std::map<int, std::map<std::string, Result>> step_section(torch::nn::Sequential& seq,
+                                                          const torch::Tensor& x,
+                                                          const torch::Tensor& t) {
+  std::map<int, std::map<std::string, Result>> results;
+  for (int k : {2, 4}) {
+    std::printf(
+        "K=%d workers (%d stages; interleaved, ZB-V, DualPipeV, V-Half, V-Min: %d stages, 2 per "
+        "worker), %d "
+        "rounds\n",
+        k, k, 2 * k, kRounds);
+    std::vector<Candidate> cs;
+    cs.push_back(candidate("gpipe", seq, k, sched::gpipe{}, x, t));
+    cs.push_back(candidate("one_f_one_b", seq, k, sched::one_f_one_b{}, x, t));
+    cs.push_back(
+        candidate("interleaved_one_f_one_b", seq, 2 * k, sched::interleaved_one_f_one_b{2}, x, t));
+    cs.push_back(candidate("zero_bubble_h1", seq, k, sched::zero_bubble_h1{}, x, t));
+    cs.push_back(candidate("zero_bubble_v", seq, 2 * k, sched::zero_bubble_v{}, x, t));
+    cs.push_back(candidate("dualpipe_v", seq, 2 * k, sched::dualpipe_v{}, x, t));
+    cs.push_back(candidate("v_half", seq, 2 * k, sched::v_half{}, x, t));
+    cs.push_back(candidate("v_min", seq, 2 * k, sched::v_min{}, x, t));
+    measure(cs, kRounds);
+    header();
+    for (auto& c : cs) {
+      row(c.name, c.result);
+      results[k][c.name] = c.result;
+    }
+    ratios(k, results[k]);
+    // The same within each round, with its spread.
+    std::vector<double> zb;
+    const auto& a = results[k]["zero_bubble_h1"].round_ms;
+    const auto& b = results[k]["one_f_one_b"].round_ms;
+    for (std::size_t r = 0; r < a.size() && r < b.size(); ++r) zb.push_back(a[r] / b[r]);
+    sw::bench::print_figure("ZB-H1 / 1F1B step time, K = " + std::to_string(k) + ", per round",
+                            sw::bench::summarize(zb), "");
+  }
+  return results;
+}
+
+// Where each schedule pays: the simulator's peak (micro-batches of a worker's share, the worst
+// worker) and bubble for K workers and M = 2K micro-batches, T_F = T_B = T_W.
+void simulator_table() {
+  std::printf("simulator, M = 2K, T_F = T_B = T_W: peak micro-batches per worker (worst) / bubble\n");
+  std::printf("  %4s %14s %14s %14s %14s %14s\n", "K", "1F1B", "ZB-H1", "ZB-V", "V-Half", "V-Min");
+  for (int k : {2, 4, 6, 8, 10, 12, 14, 16, 20, 24}) {
+    auto cell = [&](auto s, int stages, double v) {
+      const sched::Costs c{1.0 / v, 1.0 / v, 1.0 / v};
+      const auto sim = sched::simulate(s, stages, 2 * k, c);
+      const int peak = *std::max_element(sim.worker_peak_in_flight.begin(),
+                                         sim.worker_peak_in_flight.end());
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%5.1f / %.3f", peak / v, sim.bubble());
+      return std::string(buf);
+    };
+    std::printf("  %4d %14s %14s %14s %14s %14s\n", k, cell(sched::one_f_one_b{}, k, 1).c_str(),
+                cell(sched::zero_bubble_h1{}, k, 1).c_str(),
+                cell(sched::zero_bubble_v{}, 2 * k, 2).c_str(),
+                cell(sched::v_half{}, 2 * k, 2).c_str(), cell(sched::v_min{}, 2 * k, 2).c_str());
+  }
+}
+
+// I + W against a whole backward on one stage of `stage`, printed as `what`; returns the split's
+// CPU time over the backward's (the median of the per-round ratios).
+double split_cost_line(const std::string& what, torch::nn::Sequential stage,
+                       const std::vector<std::int64_t>& shape, int rounds) {
+  const auto c = split_cost(std::move(stage), shape, rounds);
+  std::printf(
+      "split backward (releasing what only I reads), %s, %d rounds: backward %.3f ms; I %.3f ms + "
+      "W %.3f ms = %.3f ms (%.3fx); thread CPU time: backward %.3f ms; I %.3f + W %.3f = %.3f ms "
+      "(%.3fx)\n",
+      what.c_str(), rounds, c.wall_b, c.wall_i, c.wall_w, c.wall_i + c.wall_w,
+      (c.wall_i + c.wall_w) / c.wall_b, c.cpu_b, c.cpu_i, c.cpu_w, c.cpu_i + c.cpu_w,
+      (c.cpu_i + c.cpu_w) / c.cpu_b);
+  sw::bench::print_figure("(I + W) / backward, CPU, release, " + what, c.release, "");
+  sw::bench::print_figure("(I + W) / backward, CPU, whole graph, " + what, c.keep, "");
+  return c.release.median;
+}
+
+void print_header(const torch::nn::Sequential& seq) {
+  double params_mib = 0;
+  for (const auto& p : seq->parameters()) params_mib += double(p.numel() * 4) / (1 << 20);
+  std::printf(
+      "schedules: %d x [Linear(%d,%d), ReLU], batch %d, chunks %d, checkpoint never, "
+      "1 intra-op thread per worker, medians\n",
+      kBlocks, kWidth, kWidth, kBatch, kChunks);
+  std::printf(
+      "parameters %.2f MiB (+ as much for gradients); peak = all tensor memory at the step's peak, "
+      "act = above what was alive before the step;\ncells = the simulator's most (micro-batch, "
+      "stage) cells alive at once over the whole pipe; wkr = the most one worker (a device) "
+      "allocated above its own baseline;\nw.cells = the simulator's most cells alive at once on "
+      "one worker\n",
+      params_mib);
+  std::printf(
+      "bubble = share of the workers' time spent waiting for a message (activation or gradient): "
+      "simulator with T_F = T_B = T_W,\nsimulator fed the mean measured cost of each action kind, "
+      "simulator fed each action's own measured duration (rep.), measured from a recorded step; "
+      "idle = all idle time of the recorded step\n");
+  std::printf("cores: %u; LibTorch %s; BLAS: %s\n", std::thread::hardware_concurrency(),
+              TORCH_VERSION, blas().c_str());
+  std::printf("load average at start: %s\n", load().c_str());
+}
 
 // What a step's planning costs at K = 64 workers and M = 512 micro-batches, every stage
 // checkpointed with offload costs: made from scratch (verify and lay out the schedule, run the
@@ -403,133 +562,76 @@ std::pair<double, double> planning_section(int rounds) {
   return {first[first.size() / 2], cached[cached.size() / 2]};
 }
 
-int main() {
+}  // namespace
+
+// Flags: --blas=openblas (benchmarks/common/blas.hpp); --memory-only (the memory sections and the
+// split backward's cost alone); --split-only (the split backward's cost alone, --split-rounds=21
+// rounds on the GPT block); --gpt-dim=128 --gpt-heads=4 --gpt-context=256 --gpt-sequences=2
+// (the GPT block of the memory section: dim 256 and context 512 keep the same proportions, the
+// probabilities 8 activations, at 8 times the work); --mem-rounds=5 (timed rounds of the memory
+// sections; 0: memory only); --mlp-k20 (the MLP's memory section at K = 20 too).
+int main(int argc, char** argv) {
+  sw::bench::select_blas(argc, argv);
   auto& memory = sw::bench::counting_allocator();  // before any tensor exists
   (void)memory;
   at::set_num_threads(1);
+  sw::bench::Conditions conditions("schedules");
   torch::manual_seed(0);
-  torch::nn::Sequential seq;
-  for (int i = 0; i < kBlocks; ++i) {
-    seq->push_back(torch::nn::Linear(kWidth, kWidth));
-    seq->push_back(torch::nn::ReLU());
-  }
+  auto seq = linear_relu(kBlocks);
   auto x = torch::randn({kBatch, kWidth});
   auto t = torch::randn({kBatch, kWidth});
-  double params_mib = 0;
-  for (const auto& p : seq->parameters()) params_mib += double(p.numel() * 4) / (1 << 20);
-
-  std::printf(
-      "schedules: %d x [Linear(%d,%d), ReLU], batch %d, chunks %d, checkpoint never, "
-      "1 intra-op thread per worker, medians\n",
-      kBlocks, kWidth, kWidth, kBatch, kChunks);
-  std::printf(
-      "parameters %.2f MiB (+ as much for gradients); peak = all tensor memory at the step's peak, "
-      "act = above what was alive before the step;\ncells = the simulator's most (micro-batch, "
-      "stage) cells alive at once over the whole pipe; wkr = the most one worker (a device) "
-      "allocated above its own baseline;\nw.cells = the simulator's most cells alive at once on "
-      "one worker\n",
-      params_mib);
-  std::printf(
-      "bubble = share of the workers' time spent waiting for a message (activation or gradient): "
-      "simulator with T_F = T_B = T_W,\nsimulator fed the mean measured cost of each action kind, "
-      "simulator fed each action's own measured duration (rep.), measured from a recorded step; "
-      "idle = all idle time of the recorded step\n");
-  std::printf("cores: %u; LibTorch %s; BLAS: %s\n", std::thread::hardware_concurrency(),
-              TORCH_VERSION, blas().c_str());
-  std::printf("load average at start: %s\n", load().c_str());
+  print_header(seq);
+  const bool memory_only = sw::bench::has_flag(argc, argv, "--memory-only");
   std::map<int, std::map<std::string, Result>> results;
-  for (int k : {2, 4}) {
-    std::printf(
-        "K=%d workers (%d stages; interleaved, ZB-V, DualPipeV, V-Half, V-Min: %d stages, 2 per "
-        "worker), %d "
-        "rounds\n",
-        k, k, 2 * k, kRounds);
-    std::vector<Candidate> cs;
-    cs.push_back(candidate("gpipe", seq, k, sched::gpipe{}, x, t));
-    cs.push_back(candidate("one_f_one_b", seq, k, sched::one_f_one_b{}, x, t));
-    cs.push_back(
-        candidate("interleaved_one_f_one_b", seq, 2 * k, sched::interleaved_one_f_one_b{2}, x, t));
-    cs.push_back(candidate("zero_bubble_h1", seq, k, sched::zero_bubble_h1{}, x, t));
-    cs.push_back(candidate("zero_bubble_v", seq, 2 * k, sched::zero_bubble_v{}, x, t));
-    cs.push_back(candidate("dualpipe_v", seq, 2 * k, sched::dualpipe_v{}, x, t));
-    cs.push_back(candidate("v_half", seq, 2 * k, sched::v_half{}, x, t));
-    cs.push_back(candidate("v_min", seq, 2 * k, sched::v_min{}, x, t));
-    measure(cs, kRounds);
-    header();
-    for (auto& c : cs) {
-      row(c.name, c.result);
-      results[k][c.name] = c.result;
-    }
-    auto& r = results[k];
-    std::printf("  1F1B / GPipe peak: %.3f (activations above baseline: %.3f; K/M = %.3f)\n",
-                r["one_f_one_b"].peak_mib / r["gpipe"].peak_mib,
-                r["one_f_one_b"].activation_mib / r["gpipe"].activation_mib, double(k) / kChunks);
-    std::printf(
-        "  ZB-H1 / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
-        "costs); peak memory: %.3f in all, %.3f per worker\n",
-        r["zero_bubble_h1"].step_ms / r["one_f_one_b"].step_ms, r["zero_bubble_h1"].min_ms / r["one_f_one_b"].min_ms,
-        r["zero_bubble_h1"].predicted_ms / r["one_f_one_b"].predicted_ms,
-        r["zero_bubble_h1"].peak_mib / r["one_f_one_b"].peak_mib,
-        r["zero_bubble_h1"].worker_mib / r["one_f_one_b"].worker_mib);
-    for (const char* v : {"zero_bubble_v", "v_half", "v_min"}) {
-      std::printf(
-          "  %s / 1F1B step time: %.3f (median), %.3f (min), %.3f (simulator, mean measured "
-          "costs); peak memory: %.3f in all, %.3f per worker (worst; simulator: %d / %d cells "
-          "of half a worker's share, against 1F1B's %d whole)\n",
-          v, r[v].step_ms / r["one_f_one_b"].step_ms, r[v].min_ms / r["one_f_one_b"].min_ms,
-          r[v].predicted_ms / r["one_f_one_b"].predicted_ms, r[v].peak_mib / r["one_f_one_b"].peak_mib,
-          r[v].worker_mib / r["one_f_one_b"].worker_mib, r[v].worker_cells, 2 * k,
-          r["one_f_one_b"].worker_cells);
-    }
+  if (!memory_only) {
+    results = step_section(seq, x, t);
+    simulator_table();
   }
-  {
-    // Where each schedule pays: the simulator's peak (micro-batches of a worker's share, the
-    // worst worker) and bubble for K workers and M = 2K micro-batches, T_F = T_B = T_W.
-    std::printf("simulator, M = 2K, T_F = T_B = T_W: peak micro-batches per worker (worst) / bubble\n");
-    std::printf("  %4s %14s %14s %14s %14s %14s\n", "K", "1F1B", "ZB-H1", "ZB-V", "V-Half", "V-Min");
-    for (int k : {2, 4, 6, 8, 10, 12, 14, 16, 20, 24}) {
-      auto cell = [&](auto s, int stages, double v) {
-        const sched::Costs c{1.0 / v, 1.0 / v, 1.0 / v};
-        const auto sim = sched::simulate(s, stages, 2 * k, c);
-        const int peak = *std::max_element(sim.worker_peak_in_flight.begin(),
-                                           sim.worker_peak_in_flight.end());
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%5.1f / %.3f", peak / v, sim.bubble());
-        return std::string(buf);
-      };
-      std::printf("  %4d %14s %14s %14s %14s %14s\n", k, cell(sched::one_f_one_b{}, k, 1).c_str(),
-                  cell(sched::zero_bubble_h1{}, k, 1).c_str(),
-                  cell(sched::zero_bubble_v{}, 2 * k, 2).c_str(),
-                  cell(sched::v_half{}, 2 * k, 2).c_str(), cell(sched::v_min{}, 2 * k, 2).c_str());
-    }
-  }
-  {
-    const auto c = split_cost(kBlocks / 2, kBatch / kChunks, 31);
-    std::printf(
-        "split backward, one stage of %d blocks, %d rows: backward %.3f ms; I %.3f ms + W %.3f ms "
-        "= %.3f ms (%.2fx)\n",
-        kBlocks / 2, kBatch / kChunks, c[0], c[1], c[2], c[1] + c[2], (c[1] + c[2]) / c[0]);
-  }
-  // The paper's fractions, (K+2)/2 and (K+4)/3 of 1F1B's K, reach 0.55 and 0.40 at K = 20; the
-  // keys come from there (K threads share this machine's cores: the step times say what the
-  // schedules cost in work and hand-offs, not in bubbles).
-  memory_section(4);
-  memory_section(8);
-  const auto v20 = memory_section(20);
+  gpt::Config c;
+  c.dim = sw::bench::int_flag(argc, argv, "--gpt-dim", 128);
+  c.heads = sw::bench::int_flag(argc, argv, "--gpt-heads", 4);
+  c.context = sw::bench::int_flag(argc, argv, "--gpt-context", 256);
+  gpt::check(c);
+  const std::int64_t sequences = sw::bench::int_flag(argc, argv, "--gpt-sequences", 2);
+  mem_rounds = sw::bench::int_flag(argc, argv, "--mem-rounds", 5);
+  const auto gpt = gpt_model(c, sequences);
+  const auto mlp = mlp_model();
+  split_cost_line("MLP stage of 4 x [Linear(256,256), ReLU], 128 rows", linear_relu(kBlocks / 2),
+                  {kBatch / kChunks, kWidth}, 31);
+  const int split_rounds = sw::bench::int_flag(argc, argv, "--split-rounds", 21);
+  const double gpt_split = split_cost_line("GPT block", gpt.make(1), gpt.micro_batch, split_rounds);
+  if (sw::bench::has_flag(argc, argv, "--split-only")) return 0;
+  // The paper's fractions, (K+2)/2 and (K+4)/3 of 1F1B's K: 5/8 and 4/8 at K = 8, where the keys
+  // come from (K threads share this machine's cores: the step times say what the schedules cost
+  // in work and hand-offs, not in bubbles).
+  memory_section(mlp, 4);
+  memory_section(mlp, 8);
+  if (sw::bench::has_flag(argc, argv, "--mlp-k20")) memory_section(mlp, 20);
+  memory_section(gpt, 4);
+  const auto g8 = memory_section(gpt, 8);
   const auto planning = planning_section(7);
   std::printf("load average at end: %s\n", load().c_str());
-  const auto& r2 = results[2];
+  conditions.print_end();
   std::ostringstream last;
-  last << "schedules gpipe_ms=" << r2.at("gpipe").step_ms
-       << " one_f_one_b_ms=" << r2.at("one_f_one_b").step_ms
-       << " zero_bubble_ms=" << r2.at("zero_bubble_h1").step_ms
-       << " zbv_ms=" << r2.at("zero_bubble_v").step_ms
-       << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib
-       << " zb_vs_1f1b=" << r2.at("zero_bubble_h1").step_ms / r2.at("one_f_one_b").step_ms;
-  // V-Half and V-Min at K = 20, M = 40 (memory section): the worst worker's peak above its
-  // baseline and the step time, over 1F1B's.
-  last << " vhalf_peak_ratio=" << v20[0] << " vmin_peak_ratio=" << v20[1]
-       << " vhalf_time_ratio=" << v20[2] << " vmin_time_ratio=" << v20[3];
+  last << "schedules";
+  if (!memory_only) {
+    const auto& r2 = results[2];
+    last << " gpipe_ms=" << r2.at("gpipe").step_ms
+         << " one_f_one_b_ms=" << r2.at("one_f_one_b").step_ms
+         << " zero_bubble_ms=" << r2.at("zero_bubble_h1").step_ms
+         << " zbv_ms=" << r2.at("zero_bubble_v").step_ms
+         << " one_f_one_b_peak_ratio=" << r2.at("one_f_one_b").peak_mib / r2.at("gpipe").peak_mib
+         << " zb_vs_1f1b=" << r2.at("zero_bubble_h1").step_ms / r2.at("one_f_one_b").step_ms;
+  }
+  // The GPT block at K = 8, M = 16 (memory section): the worst worker's peak above its baseline
+  // and the step time, over 1F1B's; the peaks over the simulator's cells; the release's saving.
+  last << " vhalf_peak_ratio=" << g8.vhalf_peak << " vmin_peak_ratio=" << g8.vmin_peak
+       << " vhalf_bytes_vs_cells=" << g8.vhalf_peak / g8.vhalf_cells
+       << " vmin_bytes_vs_cells=" << g8.vmin_peak / g8.vmin_cells
+       << " zbv_peak_ratio=" << g8.zbv_peak << " release_saving=" << g8.release_saving
+       << " vhalf_time_ratio=" << g8.vhalf_time.median
+       << " vmin_time_ratio=" << g8.vmin_time.median
+       << " split_vs_backward=" << gpt_split;
   last << " plan_first_ms=" << planning.first << " plan_cached_ms=" << planning.second;
   std::cout << last.str() << std::endl;
   return 0;

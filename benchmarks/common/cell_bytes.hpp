@@ -12,24 +12,26 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace stagewise::bench {
 
-/// The CellBytes of `stage` on micro-batches of `rows` x `width` (checkpoint never), with the
-/// stage's parameters' gradients already there, as in a pipe after its first step.
-/// `split_backward`: the schedule splits backwards into I and W. `first`: the first stage, whose
+/// The CellBytes of `stage` on micro-batches of shape `shape` (output of the same shape;
+/// checkpoint never), with the stage's parameters' gradients already there, as in a pipe after
+/// its first step. `split_backward`: the schedule splits backwards into I and W (the split keeps
+/// what `SplitBackward::default_keep()` says between them). `first`: the first stage, whose
 /// micro-batch needs no gradient, so that its I has nothing to do and its W runs the whole
 /// backward. `last`: the last stage, whose backward starts from the loss (mean squared error).
-///   auto b = stagewise::bench::cell_bytes(stage, 64, 16, false, false, true);
-inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t rows,
-                                      std::int64_t width, bool first, bool last,
-                                      bool split_backward) {
+///   auto b = stagewise::bench::cell_bytes(block, {2, 512, 256}, false, false, true);
+inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage,
+                                      const std::vector<std::int64_t>& shape, bool first,
+                                      bool last, bool split_backward) {
   auto forward = [&](const torch::Tensor& in) { return stage->forward(in); };
   auto& memory = counting_allocator();
-  auto x = torch::randn({rows, width});
-  auto t = torch::randn({rows, width});
-  auto g = torch::randn({rows, width});
+  auto x = torch::randn(shape);
+  auto t = torch::randn(shape);
+  auto g = torch::randn(shape);
   auto backward = [&](const torch::Tensor& y) {
     if (last) {
       torch::mse_loss(y, t).backward();
@@ -53,8 +55,11 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t 
     c.working = whole_working;
     return c;
   }
+  // The gradient a cell receives from the next stage stays with it until its W (W starts from
+  // it), where a device would hold it: counted as the cell's from its I on.
+  const double received = last ? 0.0 : static_cast<double>(g.nbytes());
   if (first) {
-    c.input_grad = c.forward;
+    c.input_grad = c.forward + received;
     c.weight_working = whole_working;
     return c;
   }
@@ -68,7 +73,8 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t 
     auto loss = torch::mse_loss(y, t);
     split.input_grad({loss}, {torch::ones_like(loss)}, {leaf});
   } else {
-    split.input_grad({y}, {g}, {leaf});
+    auto received_g = g.clone();
+    split.input_grad({y}, {received_g}, {leaf});
   }
   c.working = static_cast<double>(memory.peak() - before) - kept;
   y = torch::Tensor();
@@ -80,18 +86,37 @@ inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t 
   return c;
 }
 
+/// cell_bytes on micro-batches of `rows` x `width`.
+///   auto b = stagewise::bench::cell_bytes(stage, 64, 16, false, false, true);
+inline schedule::CellBytes cell_bytes(torch::nn::Sequential stage, std::int64_t rows,
+                                      std::int64_t width, bool first, bool last,
+                                      bool split_backward) {
+  return cell_bytes(std::move(stage), {rows, width}, first, last, split_backward);
+}
+
 /// The CellBytes of every stage of a pipe of `stages` stages built alike (`make_stage()` makes
-/// one), first and last stage measured as such: what schedule::peak_bytes takes.
+/// one) on micro-batches of shape `shape`, first and last stage measured as such: what
+/// schedule::peak_bytes takes.
+///   auto bytes = stagewise::bench::stage_cell_bytes(make, 8, {2, 512, 256}, true);
+template <class MakeStage>
+std::vector<schedule::CellBytes> stage_cell_bytes(const MakeStage& make_stage, int stages,
+                                                  const std::vector<std::int64_t>& shape,
+                                                  bool split_backward) {
+  std::vector<schedule::CellBytes> out;
+  for (int j = 0; j < stages; ++j) {
+    out.push_back(cell_bytes(make_stage(), shape, j == 0, j == stages - 1, split_backward));
+  }
+  return out;
+}
+
+/// stage_cell_bytes on micro-batches of `rows` x `width`.
 ///   auto bytes = stagewise::bench::stage_cell_bytes([] { return block(); }, 8, 64, 16, true);
 template <class MakeStage>
 std::vector<schedule::CellBytes> stage_cell_bytes(const MakeStage& make_stage, int stages,
                                                   std::int64_t rows, std::int64_t width,
                                                   bool split_backward) {
-  std::vector<schedule::CellBytes> out;
-  for (int j = 0; j < stages; ++j) {
-    out.push_back(cell_bytes(make_stage(), rows, width, j == 0, j == stages - 1, split_backward));
-  }
-  return out;
+  return stage_cell_bytes(make_stage, stages, std::vector<std::int64_t>{rows, width},
+                          split_backward);
 }
 
 }  // namespace stagewise::bench

@@ -129,7 +129,7 @@ void run_backward(ActionContext<Transport>& c, Inputs& in) {
 }
 
 // I: the input gradients only, sent at once (a popping cell's skip gradients too, as it does its
-// inputs'); the split keeps the graph for W.
+// inputs'); the split keeps what W reads.
 template <class Transport>
 void run_input_grad(ActionContext<Transport>& c, Inputs& in) {
   std::vector<torch::Tensor> outs;
@@ -155,6 +155,9 @@ void run_input_grad(ActionContext<Transport>& c, Inputs& in) {
   }
   c.cell.outputs.clear();  // the split holds the graph until W
   c.cell.loss = torch::Tensor();
+  // W reads only what the split keeps (a node that saved an input keeps it): the cell's inputs,
+  // the previous stage's outputs, go now, unless the split keeps the whole graph until W.
+  if (c.cell.split->keep() == SplitBackward::Keep::what_w_reads) c.cell.leaves.clear();
 }
 
 // W: the weight gradients the cell's I left, then the cell is freed.
