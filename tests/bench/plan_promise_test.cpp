@@ -107,6 +107,27 @@ void check_promise(const std::string& name, const torch::nn::Sequential& model, 
 
 torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }
 
+// A skip from the first layer to the last, across every stage of the split: the first layer's
+// output is stashed, and added to the last layer's.
+struct Whole {};
+using skip_h = sw::skip<Whole, "h">;
+struct StashImpl : sw::Skippable<StashImpl, sw::stashes<skip_h>> {
+  StashImpl() : linear(register_module("linear", torch::nn::Linear(64, 64))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = linear(x);
+    stash<skip_h>(h);
+    return h;
+  }
+  torch::nn::Linear linear;
+};
+TORCH_MODULE(Stash);
+struct AddImpl : sw::Skippable<AddImpl, sw::pops<skip_h>> {
+  AddImpl() : linear(register_module("linear", torch::nn::Linear(64, 64))) {}
+  torch::Tensor forward(torch::Tensor x) { return linear(x) + pop<skip_h>(); }
+  torch::nn::Linear linear;
+};
+TORCH_MODULE(Add);
+
 }  // namespace
 
 TEST_SUITE("plan_pipeline's promise, measured") {
@@ -123,6 +144,23 @@ TEST_SUITE("plan_pipeline's promise, measured") {
     check_promise("mlp", model, sw::Batch(x), sw::Batch(y), mse,
                   sw::PlanOptions().workers(2).rounds(1).micro_batches({2, 4, 8})
                       .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1", "v_half"}));
+  }
+
+  TEST_CASE("a model with a skip from its first layer to its last, on 2 workers") {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    torch::nn::Sequential model;
+    model->push_back(Stash());
+    for (int i = 0; i < 5; ++i) {
+      model->push_back(torch::nn::Linear(64, 256));
+      model->push_back(torch::nn::Tanh());
+      model->push_back(torch::nn::Linear(256, 64));
+    }
+    model->push_back(Add());
+    const auto x = torch::randn({128, 64}), y = torch::randn({128, 64});
+    check_promise("skip", model, sw::Batch(x), sw::Batch(y), mse,
+                  sw::PlanOptions().workers(2).rounds(1).micro_batches({2, 4})
+                      .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1"}));
   }
 
   TEST_CASE("the GPT example's transformer, on 2 workers") {
