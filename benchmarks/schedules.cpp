@@ -359,8 +359,10 @@ MemorySummary memory_section(const sw::bench::MemoryModel& m, int k) {
   print_cell_bytes(m);
   sw::bench::print_memory(rows);
   const auto& base = rows.front();
-  const auto& half = memory_row_of(rows, "v_half");
-  const auto& min = memory_row_of(rows, "v_min");
+  // Named: g++ 14 warns when a reference binds to a call given a temporary string.
+  const std::string v_half = "v_half", v_min = "v_min";
+  const auto& half = memory_row_of(rows, v_half);
+  const auto& min = memory_row_of(rows, v_min);
   MemorySummary s;
   s.vhalf_peak = half.worst() / base.worst();
   s.vmin_peak = min.worst() / base.worst();

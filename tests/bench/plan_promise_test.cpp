@@ -82,13 +82,15 @@ std::vector<double> measured_peaks(const torch::nn::Sequential& model, const sw:
   return peaks;
 }
 
-// Plans `model` for caps just above the smallest, 1.5 times it and 4 times it, trains each plan
-// and checks its promise on every worker.
+// Plans `model` for caps just above the smallest (1.1 times it: each call profiles the stages
+// anew, and the smallest cap a refusal names is that call's; another's times may lead its search
+// to a plan a few percent larger), 1.5 times it and 4 times it, trains each plan and checks its
+// promise on every worker.
 void check_promise(const std::string& name, const torch::nn::Sequential& model, const sw::Batch& x,
                    const sw::Batch& y, const Loss& loss, sw::PlanOptions options) {
   CAPTURE(name);
   const auto smallest = smallest_cap(model, x, y, loss, options);
-  for (double scale : {1.02, 1.5, 4.0}) {
+  for (double scale : {1.1, 1.5, 4.0}) {
     const auto cap = static_cast<std::int64_t>(scale * static_cast<double>(smallest));
     const auto plan = sw::plan_pipeline(model, x, y.tensor(), loss,
                                         sw::PlanOptions(options).memory_per_worker(cap));
@@ -99,6 +101,9 @@ void check_promise(const std::string& name, const torch::nn::Sequential& model, 
       CAPTURE(w);
       const double got = measured[static_cast<std::size_t>(w)];
       const double want = plan.memory[static_cast<std::size_t>(w)].peak;
+      MESSAGE(name << " cap " << cap << ", " << std::string(plan.schedule.name()) << " M=" << plan.micro_batches
+                   << std::string(plan.fused_step ? " fused" : "") << ", worker " << w << ": measured " << got
+                   << ", predicted " << want);
       CHECK(got <= static_cast<double>(cap));
       CHECK(std::abs(want - got) <= 0.1 * got);
     }

@@ -98,8 +98,14 @@ inline std::vector<schedule::CellBytes> cells_of(const schedule::Plan& plan,
       b.forward += copy;
       b.input_grad += copy;
       b.kept = c.input_bytes;
+    } else if (j + 1 < costs.size()) {
+      // One process: the gradient a cell receives is made, and counted, on the next stage's
+      // worker (profile_stages counts it with the cell, as a device holding it would).
+      b.forward -= c.output_bytes;
+      b.input_grad -= c.output_bytes;
+      b.kept = c.output_bytes;
     } else {
-      b.kept = j + 1 == costs.size() ? 0.0 : c.output_bytes;
+      b.kept = 0.0;
     }
     out.push_back(b);
   }
