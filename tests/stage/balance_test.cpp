@@ -97,8 +97,11 @@ TEST_SUITE("balance") {
   }
 
   TEST_CASE("the balance plugs into Pipe") {
-    torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::ReLU(),
-                                torch::nn::Linear(64, 64), Sleep(40), torch::nn::Linear(64, 4));
+    // One best split by 20 ms (40 | 40 against 20 | 60 and 80 | 0), whatever the Linears' few
+    // microseconds measure (a split of tiny layers around one slow one is a tie that load
+    // decides).
+    torch::nn::Sequential model(torch::nn::Linear(8, 64), Sleep(20), Sleep(20), Sleep(40),
+                                torch::nn::Linear(64, 4));
     const auto b =
         sw::balance_by_time(2, model, torch::randn({4, 8}), sw::BalanceOptions().rounds(1));
     CHECK(b == sw::balance{3, 2});

@@ -24,7 +24,8 @@ namespace stagewise {
 /// Install it once, before the tensors to measure exist; it forwards every allocation to the
 /// allocator LibTorch had. `reset_peak()` starts a measurement, `peak()` and `peak_of(thread)`
 /// read it. What `plan_pipeline` promises per worker is checked with it
-/// (tests/pipe/plan_pipeline_test.cpp, benchmarks/fit.cpp).
+/// (tests/bench/plan_promise_test.cpp, benchmarks/fit.cpp); every benchmark counts with it
+/// (benchmarks/common/memory.hpp).
 ///   auto& meter = stagewise::MemoryMeter::install();   // first thing in main()
 ///   meter.reset_peak();
 ///   pipe->train_step(x, y, loss_fn);
@@ -82,6 +83,20 @@ class MemoryMeter final : public c10::Allocator {
       if (it->thread == t) return it->peak.load();
     }
     return 0;
+  }
+  /// One thread's bytes: alive now, and the most alive at once since the last reset_peak().
+  struct ThreadBytes {
+    std::thread::id thread;
+    std::int64_t current = 0;
+    std::int64_t peak = 0;
+  };
+  /// Every thread that allocated, in the order each first did (one that ended keeps its entry).
+  ///   for (const auto& t : meter.threads()) std::cout << t.peak << "\n";
+  std::vector<ThreadBytes> threads() const {
+    std::lock_guard<std::mutex> lock(threads_mutex_);
+    std::vector<ThreadBytes> out;
+    for (const auto& c : threads_) out.push_back({c.thread, c.current.load(), c.peak.load()});
+    return out;
   }
   /// Starts a new peak from what is alive now, in all and for every thread.
   void reset_peak() {
