@@ -7,9 +7,9 @@
 #include "stagewise/optim/detail/amp_kernels.hpp"
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/fused_step.hpp"
+#include "stagewise/optim/grad_scaler_options.hpp"
 
 #include <c10/util/Exception.h>
-#include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -36,21 +36,6 @@ struct GradScalerAccess;  // below: what the pipes use of a GradScaler
 }  // namespace detail
 
 namespace amp {
-
-/// The options of `GradScaler`, with PyTorch's defaults.
-///   sw::amp::GradScaler scaler(sw::amp::GradScalerOptions().init_scale(1024).growth_interval(100));
-struct GradScalerOptions {
-  /// The scale before the first update (2^16).
-  TORCH_ARG(double, init_scale) = 65536.0;
-  /// What the scale is multiplied by after `growth_interval` steps in a row without inf/NaN (> 1).
-  TORCH_ARG(double, growth_factor) = 2.0;
-  /// What the scale is multiplied by after a step with an inf or a NaN gradient (< 1).
-  TORCH_ARG(double, backoff_factor) = 0.5;
-  /// The number of steps in a row without inf/NaN before the scale grows.
-  TORCH_ARG(std::int64_t, growth_interval) = 2000;
-  /// False: every call is a no-op, as PyTorch's disabled scaler (`step` just steps).
-  TORCH_ARG(bool, enabled) = true;
-};
 
 /// Dynamic loss scaling for fp16 training, as PyTorch's `torch.amp.GradScaler`, which LibTorch
 /// lacks: the loss is multiplied by a large scale before backward so that small fp16 gradients do
