@@ -2,6 +2,8 @@
 
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/parameter_state.hpp"
+#include "stagewise/optim/savable_optimizer.hpp"
 
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
@@ -284,6 +286,25 @@ class FusedStep {
     combined->save(archive);
   }
 
+  /// The kind of state it keeps: its optimizer's options type, as the unfused optimizer's
+  /// (`optim::state_kind`), so that a pipe's save made with one loads into the other.
+  std::string state_kind() const { return optim::state_kind(*state().slots.front()->optimizer); }
+  /// Whether `param` is one of its parameters.
+  bool keeps_state(const torch::Tensor& param) const { return slot_of(param) != nullptr; }
+  /// Writes parameter `param`'s state as the unfused optimizer's `optim::save_state` does (one
+  /// parameter in LibTorch's layout), or returns false if `param` is not one of its parameters:
+  /// a pipe's save files it under the parameter's name.
+  bool save_state(const torch::Tensor& param, torch::serialize::OutputArchive& archive) const {
+    const auto* slot = slot_of(param);
+    return slot != nullptr && optim::save_state(*slot->optimizer, param, archive);
+  }
+  /// Replaces parameter `param`'s state with what `save_state` wrote (this FusedStep's, another's
+  /// or an unfused optimizer's of the same kind, over any parameters). Between steps only.
+  void load_state(const torch::Tensor& param, torch::serialize::InputArchive& archive) {
+    check_between_steps("load_state");
+    optim::load_state(*find(param, "load_state").optimizer, param, archive);
+  }
+
   /// Loads state saved by `save` or by the unfused optimizer over the same parameters.
   void load(torch::serialize::InputArchive& archive) {
     auto combined = combined_optimizer();
@@ -336,10 +357,16 @@ class FusedStep {
     }
   }
 
+  // The slot of parameter `p`, or null (the slots are the state's, not this object's: a const
+  // FusedStep may hand one out).
+  detail::FusedSlot* slot_of(const torch::Tensor& p) const {
+    const auto& by_impl = state().by_impl;
+    const auto it = by_impl.find(p.unsafeGetTensorImpl());
+    return it == by_impl.end() ? nullptr : it->second;
+  }
+
   detail::FusedSlot& find(const torch::Tensor& p, const char* what) {
-    for (auto& slot : state().slots) {
-      if (slot->param.is_same(p)) return *slot;
-    }
+    if (auto* slot = slot_of(p)) return *slot;
     TORCH_CHECK(false, "stagewise::optim::FusedStep::", what, ": a tensor of shape ", p.sizes(),
                 " is not one of this FusedStep's parameters. Pass parameters it was built with.");
   }
@@ -393,4 +420,8 @@ inline torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive
 }
 
 }  // namespace optim
+
+static_assert(parameter_state_optimizer<optim::FusedStep>);
+static_assert(savable_optimizer<optim::FusedStep>);
+
 }  // namespace stagewise
