@@ -57,8 +57,8 @@ SaveOptimizer loading(O& o) {
   return s;
 }
 
-// What a file of tensors holds: "tensors" (parameters and buffers) or "optimizer state".
-inline constexpr const char* kTensorsFile = "tensors";
+// What a file of tensors holds (in its "holds" entry, and in errors that name it).
+inline constexpr const char* kTensorsFile = "parameters and buffers";
 inline constexpr const char* kStatesFile = "optimizer state";
 
 /// Writes stage `stage`'s parameters and buffers under their names to `path`, whole.
