@@ -5,6 +5,7 @@
 // the plan that made them (the same stages, placement, devices and number of processes), else
 // refused, naming the difference and the fix. This stagewise writes format 2 (save_format.hpp).
 
+#include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
 
 #include <c10/util/Exception.h>
@@ -139,7 +140,7 @@ struct Format1Load {
   std::int64_t step = 0;
   std::vector<std::unique_ptr<Format1Module>> modules;  // per stage; null: not this process's
   torch::serialize::InputArchive optimizer;             // the optimizer's own archive
-  torch::serialize::InputArchive rng;
+  RngState rng;
 };
 
 /// What a format-1 load reads of the pipe loading it.
@@ -161,6 +162,7 @@ inline Format1Load prepare_format1(
   Format1Load out;
   out.modules.resize(pipe.stages.size());
   c10::IValue v;
+  torch::serialize::InputArchive rng;
   reading(rank_file, [&] {
     rank_archive.read("step", v);
     out.step = v.toInt();
@@ -177,8 +179,9 @@ inline Format1Load prepare_format1(
                 "load(dir), or resume from a save made with save(dir, optimizer, step)");
     if (with_optimizer) rank_archive.read("optimizer", out.optimizer);
     if (check) check(out.optimizer);
-    rank_archive.read("rng", out.rng);
+    rank_archive.read("rng", rng);
   });
+  out.rng = RngState::load(rng);
   for (std::size_t j = 0; j < pipe.stages.size(); ++j) {
     if (!pipe.stages[j] || !pipe.stages[j]->spec.module) continue;
     const auto path = format1_stage_file(dir, j);

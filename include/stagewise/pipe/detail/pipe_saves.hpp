@@ -224,7 +224,7 @@ inline PreparedLoad PipeSaves::prepare_index(const std::string& dir, const std::
               for (auto& [target, saved] : load->tensors) torch::Tensor(target).copy_(saved);
             }
             for (auto& [param, state] : load->states) optimizer->load(param, state);
-            RngState::load(load->rng).restore();
+            load->rng.restore();
             if (load_extras) load_extras(*index);
           }};
 }
@@ -258,7 +258,7 @@ inline PreparedLoad PipeSaves::prepare_rank_file(const std::string& dir, const s
               if (m) m->copy_into();
             }
             if (optimizer) optimizer->load_whole(load->optimizer);
-            RngState::load(load->rng).restore();
+            load->rng.restore();
             if (load_extras) load_extras(load->optimizer);
           }};
 }

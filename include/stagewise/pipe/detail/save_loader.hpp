@@ -80,6 +80,12 @@ inline std::string model_difference(const SaveIndex& saved, const SaveView& pipe
   return out.str();
 }
 
+/// Whether a save of `saved` runs under `mine`: the same processes, replicas, placement and split.
+inline bool same_plan(const SavePlan& saved, const SavePlan& mine) {
+  return saved.processes == mine.processes && saved.replicas == mine.replicas &&
+         saved.placement == mine.placement && saved.layers == mine.layers;
+}
+
 /// The process of the save whose generators this process restores: under the plan that made the
 /// save, its own; under another, the one that ran the first layer of this process's first stage
 /// (in the replica of the same number, modulo the saved replicas).
@@ -98,7 +104,7 @@ struct Format2Load {
   std::int64_t step = 0;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> tensors;  // (the stage's, the saved)
   std::vector<std::pair<torch::Tensor, torch::serialize::InputArchive>> states;  // (param, state)
-  torch::serialize::InputArchive rng;
+  RngState rng;
 };
 
 /// What one saved stage gives this process's stages on one device: its parameters and buffers
@@ -217,6 +223,34 @@ class StageReader {
   const SaveReading& reading_;
 };
 
+/// The generators this process restores (rng_source's), read from the save in `dir`.
+inline RngState read_generators(const SaveIndex& saved, const SaveView& pipe,
+                                const std::string& where, const std::string& dir,
+                                const SaveReading& reading) {
+  const auto source = rng_source(saved, pipe);
+  TORCH_CHECK(source < saved.rank_files.size(), where, "the index of the save in ", dir,
+              " lists ", saved.rank_files.size(), " processes' generators, not process ", source,
+              "'s; the save is damaged: resume from another");
+  const auto path = save_file(dir, saved.rank_files[source]);
+  TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
+              " (the generators of its process ", source,
+              "): the save is incomplete, or not all its files are here");
+  torch::serialize::InputArchive rng;
+  reading(path, [&] {
+    torch::serialize::InputArchive a;
+    a.load_from(path);
+    c10::IValue v;
+    a.read("format", v);
+    TORCH_CHECK(v.toInt() == kSaveFormat, where, path, " has save format ", v.toInt(),
+                " where its index has ", kSaveFormat,
+                "; the files of different saves are mixed: resume from a save written whole");
+    a.read("rng", rng);
+  });
+  // Under another plan the saving process may have seen other devices: their states are left
+  // out. Under the same plan they must all be here, for the job to go on bit for bit.
+  return RngState::load(rng, /*only_present=*/!same_plan(saved.plan, pipe.plan));
+}
+
 /// Reads and checks this process's part of the save in `dir` (its index read into `index`),
 /// changing nothing: the model against the index, then the files holding what this process's
 /// stages need, and the generators it restores. `optimizer`: the optimizer to load (null: none);
@@ -247,24 +281,7 @@ inline Format2Load prepare_format2(const SaveView& pipe, const std::string& wher
   }
   const StageReader reader(saved, where, dir, reading);
   for (const auto& needs : needs_of(saved, pipe, optimizer)) reader.read(needs, out);
-  const auto source = rng_source(saved, pipe);
-  TORCH_CHECK(source < saved.rank_files.size(), where, "the index of the save in ", dir,
-              " lists ", saved.rank_files.size(), " processes' generators, not process ", source,
-              "'s; the save is damaged: resume from another");
-  const auto path = save_file(dir, saved.rank_files[source]);
-  TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
-              " (the generators of its process ", source,
-              "): the save is incomplete, or not all its files are here");
-  reading(path, [&] {
-    torch::serialize::InputArchive a;
-    a.load_from(path);
-    c10::IValue v;
-    a.read("format", v);
-    TORCH_CHECK(v.toInt() == kSaveFormat, where, path, " has save format ", v.toInt(),
-                " where its index has ", kSaveFormat,
-                "; the files of different saves are mixed: resume from a save written whole");
-    a.read("rng", out.rng);
-  });
+  out.rng = read_generators(saved, pipe, where, dir, reading);
   return out;
 }
 
