@@ -24,12 +24,18 @@ int train(int argc, char** argv) {
   int steps = 8, fail_at = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--out=", 0) == 0) out = a.substr(6);
-    else if (a.rfind("--steps=", 0) == 0) steps = std::stoi(a.substr(8));
-    else if (a.rfind("--fail-at=", 0) == 0) fail_at = std::stoi(a.substr(10));
-    else return std::cerr << "usage: elastic [--out=DIR] [--steps=N] [--fail-at=STEP]\n", 2;
+    if (a.rfind("--out=", 0) == 0)
+      out = a.substr(6);
+    else if (a.rfind("--steps=", 0) == 0)
+      steps = std::stoi(a.substr(8));
+    else if (a.rfind("--fail-at=", 0) == 0)
+      fail_at = std::stoi(a.substr(10));
+    else
+      return std::cerr << "usage: elastic [--out=DIR] [--steps=N] [--fail-at=STEP]\n", 2;
   }
-  auto env = [](const char* name) { return std::atoi(std::getenv(name) ? std::getenv(name) : "0"); };
+  auto env = [](const char* name) {
+    return std::atoi(std::getenv(name) ? std::getenv(name) : "0");
+  };
   const int ranks = env("WORLD_SIZE"), rank = env("RANK");
   const bool restarted = env("TORCHELASTIC_RESTART_COUNT") > 0;  // tools/launch and torchrun set it
 
@@ -39,7 +45,9 @@ int train(int argc, char** argv) {
   Sequential model(Linear(32, 64), ReLU(), Linear(64, 64), ReLU(), Linear(64, 64), ReLU(),
                    Linear(64, 64), Linear(64, 4));
   const auto x = torch::randn({64, 32}), y = torch::randn({64, 4});
-  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+    return torch::mse_loss(o, t);
+  };
 
   // The fastest pipeline for the ranks of this start (every rank runs rank 0's plan).
   const auto plan = sw::plan_pipeline(
@@ -53,8 +61,9 @@ int train(int argc, char** argv) {
     first = pipe->load(last->dir, fused) + 1;
     if (rank == 0) {
       std::cout << "resumed from " << last->dir << " (saved by " << last->processes
-                << " ranks) at step " << first << " on " << ranks << " ranks: "
-                << plan.schedule.name() << ", " << plan.split.size() << " stages" << std::endl;
+                << " ranks) at step " << first << " on " << ranks
+                << " ranks: " << plan.schedule.name() << ", " << plan.split.size() << " stages"
+                << std::endl;
     }
   }
   for (std::int64_t step = first; step < steps; ++step) {

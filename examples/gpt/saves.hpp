@@ -15,10 +15,19 @@
 
 namespace gpt {
 
-/// The complete save of the highest step under `out` (stagewise::latest_save), or "" if none.
+/// The complete save (stagewise::read_save_info) of the highest step among `out`'s ckpt-<step>/
+/// directories, or "" if none (final/, the run's last save, is for export).
 inline std::string latest_save(const std::string& out) {
-  const auto last = stagewise::latest_save(out);
-  return last ? last->dir : std::string();
+  namespace fs = std::filesystem;
+  std::string best;
+  long long best_step = -1;
+  if (!fs::is_directory(out)) return best;
+  for (const auto& e : fs::directory_iterator(out)) {
+    if (e.path().filename().string().rfind("ckpt-", 0) != 0) continue;
+    const auto info = stagewise::read_save_info(e.path().string());
+    if (info && info->step > best_step) best_step = info->step, best = info->dir;
+  }
+  return best;
 }
 
 /// The split a run trained with (`<out>/balance`: layers per stage), which --resume reuses: a

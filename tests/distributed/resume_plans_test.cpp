@@ -40,8 +40,8 @@ constexpr int kSteps = 4;
 torch::nn::Sequential model(std::uint64_t seed) {
   torch::manual_seed(seed);
   using namespace torch::nn;
-  return Sequential(Linear(6, 8), Tanh(), Linear(8, 8), Tanh(), Linear(8, 8), Tanh(),
-                    Linear(8, 8), Linear(8, 3));
+  return Sequential(Linear(6, 8), Tanh(), Linear(8, 8), Tanh(), Linear(8, 8), Tanh(), Linear(8, 8),
+                    Linear(8, 3));
 }
 
 torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
@@ -118,10 +118,11 @@ void train(PipeHolder& pipe, const Job& job, bool first, bool last, const Shard&
   std::unique_ptr<torch::optim::Adam> adam;
   std::unique_ptr<sw::optim::FusedStep> fused;
   if (job.fused) {
-    fused = std::make_unique<sw::optim::FusedStep>(pipe->parameters(),
-                                                   torch::optim::AdamOptions(1e-2));
+    fused =
+        std::make_unique<sw::optim::FusedStep>(pipe->parameters(), torch::optim::AdamOptions(1e-2));
   } else {
-    adam = std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-2));
+    adam =
+        std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-2));
   }
   // A scale that grows every other step: the resumed job must go on from the saved one.
   sw::amp::GradScaler scaler(sw::amp::GradScalerOptions().init_scale(256).growth_interval(2));
@@ -160,19 +161,22 @@ void run(const Job& job, int rank) {
   auto seq = model(job.load.empty() ? 1 : 2);  // a resumed job starts elsewhere: load replaces it
   if (job.one_process) {
     auto pipe = sw::Pipe<>(seq, job.split, sw::PipeOptions().chunks(4));
-    train(pipe, job, true, true, [](const torch::Tensor& t) { return t; }, rank);
+    train(
+        pipe, job, true, true, [](const torch::Tensor& t) { return t; }, rank);
     return;
   }
   sw::distributed::Pipe pipe(seq, job.split, sw::PipeOptions().chunks(4),
                              sw::distributed::Options().data_parallel(job.replicas).timeout(30s));
   const int n = pipe->num_stages();
-  train(pipe, job, pipe->has_stage(0), pipe->has_stage(n - 1),
-        [&](const torch::Tensor& t) { return pipe->shard(t); }, rank);
+  train(
+      pipe, job, pipe->has_stage(0), pipe->has_stage(n - 1),
+      [&](const torch::Tensor& t) { return pipe->shard(t); }, rank);
 }
 
 // Runs `job` on `ranks` processes; every one must finish.
 void launch(int ranks, const Job& job) {
-  const auto r = run_ranks(ranks, [&](int rank) { run(job, rank); }, 180s);
+  const auto r = run_ranks(
+      ranks, [&](int rank) { run(job, rank); }, 180s);
   for (int k = 0; k < ranks; ++k) {
     INFO("rank " << k << ": " << r[static_cast<std::size_t>(k)].text);
     REQUIRE(r[static_cast<std::size_t>(k)].status == 0);
@@ -200,8 +204,9 @@ void expect_equal(const std::map<std::string, torch::Tensor>& a,
 }  // namespace
 
 TEST_SUITE("resume on other ranks") {
-  TEST_CASE("saved on 4 ranks, resumed on 2, and back: bit for bit as the job of that plan, "
-            "fused or not, with the scaler") {
+  TEST_CASE(
+      "saved on 4 ranks, resumed on 2, and back: bit for bit as the job of that plan, "
+      "fused or not, with the scaler") {
     const auto root = scratch("ranks");
     const sw::balance four{2, 2, 2, 2}, two{4, 4};
     // The 4-rank job (unfused) and the 2-rank job (fused), each saving after step 1.
@@ -215,11 +220,16 @@ TEST_SUITE("resume on other ranks") {
     expect_equal(parameters_of(root / "r4"), parameters_of(root / "o4"));
   }
 
-  TEST_CASE("saved on 2 stages x 2 replicas, resumed on 4 stages x 1: within 1e-6 of the 4-rank "
-            "job") {
+  TEST_CASE(
+      "saved on 2 stages x 2 replicas, resumed on 4 stages x 1: within 1e-6 of the 4-rank "
+      "job") {
     const auto root = scratch("replicas");
     const sw::balance four{2, 2, 2, 2};
-    launch(4, {.split = {4, 4}, .replicas = 2, .to = 2, .save_at = 1, .save = root / "s22",
+    launch(4, {.split = {4, 4},
+               .replicas = 2,
+               .to = 2,
+               .save_at = 1,
+               .save = root / "s22",
                .out = root / "o22"});
     launch(4, {.split = four, .from = 2, .load = root / "s22", .out = root / "r4"});
     launch(4, {.split = four, .out = root / "o4"});
@@ -228,38 +238,59 @@ TEST_SUITE("resume on other ranks") {
     expect_equal(parameters_of(root / "r4"), parameters_of(root / "o4"), 1e-6);
   }
 
-  TEST_CASE("one process to 2 ranks and back to one process (another split each time): bit for "
-            "bit") {
+  TEST_CASE(
+      "one process to 2 ranks and back to one process (another split each time): bit for "
+      "bit") {
     const auto root = scratch("processes");
-    launch(1, {.split = {4, 4}, .one_process = true, .save_at = 1, .save = root / "s1",
+    launch(1, {.split = {4, 4},
+               .one_process = true,
+               .save_at = 1,
+               .save = root / "s1",
                .out = root / "o1"});
-    launch(2, {.split = {2, 6}, .fused = true, .from = 2, .to = 3, .save_at = 2,
-               .save = root / "s2", .load = root / "s1", .out = root / "o2"});
-    launch(1, {.split = {8}, .one_process = true, .from = 3, .load = root / "s2",
-               .out = root / "o1b"});
+    launch(2, {.split = {2, 6},
+               .fused = true,
+               .from = 2,
+               .to = 3,
+               .save_at = 2,
+               .save = root / "s2",
+               .load = root / "s1",
+               .out = root / "o2"});
+    launch(
+        1,
+        {.split = {8}, .one_process = true, .from = 3, .load = root / "s2", .out = root / "o1b"});
     expect_equal(parameters_of(root / "o1b"), parameters_of(root / "o1"));
   }
 
-  TEST_CASE("each rank reads only the files its stages need: a copy of its own files per machine "
-            "loads under the plan that saved it; another plan names the file a rank lacks") {
+  TEST_CASE(
+      "each rank reads only the files its stages need: a copy of its own files per machine "
+      "loads under the plan that saved it; another plan names the file a rank lacks") {
     const auto root = scratch("own_files");
     launch(2, {.split = {4, 4}, .to = 2, .save_at = 1, .save = root / "whole", .out = root / "o"});
     for (const int r : {0, 1}) {  // each machine's disk: the index, its stage's and its own files
       const auto mine = root / "copies" / ("rank" + std::to_string(r));
       fs::create_directories(mine);
-      for (const auto& name : {std::string("index.pt"), "stage" + std::to_string(r) + ".pt",
-                               "stage" + std::to_string(r) + ".optimizer.pt",
-                               "rank" + std::to_string(r) + ".pt"}) {
+      for (const auto& name :
+           {std::string("index.pt"), "stage" + std::to_string(r) + ".pt",
+            "stage" + std::to_string(r) + ".optimizer.pt", "rank" + std::to_string(r) + ".pt"}) {
         fs::copy(root / "whole" / name, mine / name);
       }
     }
-    launch(2, {.split = {4, 4}, .from = 2, .to = 2, .load = root / "copies", .out = root / "r",
+    launch(2, {.split = {4, 4},
+               .from = 2,
+               .to = 2,
+               .load = root / "copies",
+               .out = root / "r",
                .load_own_copy = true});
     expect_equal(parameters_of(root / "r"), parameters_of(root / "o"));
     // Under {2, 6}, rank 1 runs layers 2 and 3 of the saved stage 0, whose file it lacks.
-    const Job other{.split = {2, 6}, .from = 2, .to = 2, .load = root / "copies",
-                    .out = root / "x", .load_own_copy = true};
-    const auto r = run_ranks(2, [&](int rank) { run(other, rank); }, 180s);
+    const Job other{.split = {2, 6},
+                    .from = 2,
+                    .to = 2,
+                    .load = root / "copies",
+                    .out = root / "x",
+                    .load_own_copy = true};
+    const auto r = run_ranks(
+        2, [&](int rank) { run(other, rank); }, 180s);
     const auto lacking = (root / "copies" / "rank1").string();
     const std::string cause = lacking + " has no " + lacking +
                               "/stage0.pt (parameters and buffers of its stage 0): the save is "
@@ -269,6 +300,7 @@ TEST_SUITE("resume on other ranks") {
     CHECK(r[0].status == 1);
     CHECK(r[1].status == 1);
     CHECK(sw::testing::contains(r[1].text, "stagewise::distributed::Pipe::load: " + cause));
-    CHECK(sw::testing::contains(r[0].text, "stagewise::distributed::Pipe::load: rank 1 failed: " + cause));
+    CHECK(sw::testing::contains(r[0].text,
+                                "stagewise::distributed::Pipe::load: rank 1 failed: " + cause));
   }
 }

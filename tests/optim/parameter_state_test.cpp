@@ -52,7 +52,8 @@ std::unique_ptr<torch::serialize::InputArchive> reread(torch::serialize::OutputA
   return in;
 }
 
-using Make = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::OptimizerParamGroup>)>;
+using Make =
+    std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::OptimizerParamGroup>)>;
 
 template <class O, class Options>
 Make maker(Options options) {
@@ -70,7 +71,8 @@ void check_round_trip(const Make& make) {
     set_grads(ps_a, s);
     a->step();
   }
-  auto b = make({optim::OptimizerParamGroup({ps_b[2]}), optim::OptimizerParamGroup({ps_b[1], ps_b[0]})});
+  auto b =
+      make({optim::OptimizerParamGroup({ps_b[2]}), optim::OptimizerParamGroup({ps_b[1], ps_b[0]})});
   for (std::size_t i = 0; i < ps_a.size(); ++i) {
     torch::NoGradGuard no_grad;
     ps_b[i].copy_(ps_a[i]);
@@ -102,12 +104,16 @@ TEST_SUITE("optimizer state by parameter") {
     SUBCASE("Adam, amsgrad") {
       check_round_trip(maker<optim::Adam>(optim::AdamOptions(1e-2).amsgrad(true)));
     }
-    SUBCASE("AdamW") { check_round_trip(maker<optim::AdamW>(optim::AdamWOptions(1e-2))); }
+    SUBCASE("AdamW") {
+      check_round_trip(maker<optim::AdamW>(optim::AdamWOptions(1e-2)));
+    }
     SUBCASE("RMSprop, centered with momentum") {
       check_round_trip(
           maker<optim::RMSprop>(optim::RMSpropOptions(1e-2).centered(true).momentum(0.5)));
     }
-    SUBCASE("Adagrad") { check_round_trip(maker<optim::Adagrad>(optim::AdagradOptions(1e-1))); }
+    SUBCASE("Adagrad") {
+      check_round_trip(maker<optim::Adagrad>(optim::AdagradOptions(1e-1)));
+    }
   }
 
   TEST_CASE("loading leaves the other parameters' state and every group's options as they were") {
@@ -119,30 +125,31 @@ TEST_SUITE("optimizer state by parameter") {
     REQUIRE(sw::optim::save_state(saver, ps[0], out));
 
     auto qs = params(2);
-    optim::Adam loader({optim::OptimizerParamGroup({qs[0], qs[1]}), optim::OptimizerParamGroup({qs[2]})},
-                       optim::AdamOptions(1e-2));
+    optim::Adam loader(
+        {optim::OptimizerParamGroup({qs[0], qs[1]}), optim::OptimizerParamGroup({qs[2]})},
+        optim::AdamOptions(1e-2));
     set_grads(qs, 1);
     loader.step();
     loader.param_groups()[0].options().set_lr(0.5);  // as a schedule would
-    const auto other = static_cast<optim::AdamParamState&>(
-                           *loader.state()[sw::detail::optimizer_state_key(qs[1])])
-                           .exp_avg()
-                           .clone();
+    const auto other =
+        static_cast<optim::AdamParamState&>(*loader.state()[sw::detail::optimizer_state_key(qs[1])])
+            .exp_avg()
+            .clone();
     sw::optim::load_state(loader, qs[0], *reread(out));
     CHECK(loader.param_groups().size() == 2);
     CHECK(loader.param_groups()[0].params().size() == 2);
     CHECK(loader.param_groups()[0].options().get_lr() == 0.5);
     CHECK(loader.state().size() == 3);
-    const auto& loaded =
-        static_cast<optim::AdamParamState&>(*loader.state()[sw::detail::optimizer_state_key(qs[0])]);
+    const auto& loaded = static_cast<optim::AdamParamState&>(
+        *loader.state()[sw::detail::optimizer_state_key(qs[0])]);
     const auto& saved =
         static_cast<optim::AdamParamState&>(*saver.state()[sw::detail::optimizer_state_key(ps[0])]);
     CHECK(torch::equal(loaded.exp_avg(), saved.exp_avg()));
     CHECK(loaded.step() == saved.step());
-    CHECK(torch::equal(static_cast<optim::AdamParamState&>(
-                           *loader.state()[sw::detail::optimizer_state_key(qs[1])])
-                           .exp_avg(),
-                       other));
+    CHECK(torch::equal(
+        static_cast<optim::AdamParamState&>(*loader.state()[sw::detail::optimizer_state_key(qs[1])])
+            .exp_avg(),
+        other));
   }
 
   TEST_CASE("a parameter saved before its first step loads as never stepped") {

@@ -195,8 +195,11 @@ TEST_SUITE("save and resume") {
     };
     // (Under a scaler the fused step runs each step's forward twice, which a batch norm counts:
     // fused and unfused are compared without one.)
-    for (const auto& c : {Case{false, {2, 2, 3}, true, false}, Case{true, {7}, true, true},
-                          Case{false, {1, 1, 2, 3}, false, true}, Case{true, {6, 1}, false, false}}) {
+    const Case cases[] = {{false, {2, 2, 3}, true, false},
+                          {true, {7}, true, true},
+                          {false, {1, 1, 2, 3}, false, true},
+                          {true, {6, 1}, false, false}};
+    for (const auto& c : cases) {
       CAPTURE(c.split.size());
       CAPTURE(c.fused);
       const Data d = data(5);
@@ -253,7 +256,7 @@ TEST_SUITE("save and resume") {
     check_bit_identical(state_of(*a), state_of(*seq));
   }
 
-  TEST_CASE("a save of another model is refused, naming the first difference, and changes nothing") {
+  TEST_CASE("a save of another model is refused, naming the first difference, changing nothing") {
     const Data d = data(1);
     Trainer t(1, false);
     t.step(d, 0);
@@ -273,7 +276,8 @@ TEST_SUITE("save and resume") {
     using namespace torch::nn;
     refused(Sequential(Linear(6, 8), BatchNorm1d(8), Tanh(), Linear(8, 5), ReLU(), Dropout(0.2),
                        Linear(5, 3)),
-            sw::balance{3, 4}, "it holds '3.weight' as Float [8, 8] where this model has Float [5, 8]");
+            sw::balance{3, 4},
+            "it holds '3.weight' as Float [8, 8] where this model has Float [5, 8]");
     refused(Sequential(Linear(6, 8), BatchNorm1d(8), Tanh(), Linear(8, 8), ReLU(), Dropout(0.2),
                        Linear(8, 3), Linear(3, 3)),
             sw::balance{4, 4}, "it holds no '7.weight' (Float [3, 3]), which this model has");

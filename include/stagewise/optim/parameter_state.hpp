@@ -42,8 +42,8 @@ inline bool save_state(const torch::optim::Optimizer& optimizer, const torch::Te
   if (group == nullptr) return false;
   const auto& states = optimizer.state();
   const auto it = states.find(detail::optimizer_state_key(param));
-  detail::write_one_parameter(group->options(),
-                              it == states.end() ? nullptr : it->second.get(), archive);
+  detail::write_one_parameter(group->options(), it == states.end() ? nullptr : it->second.get(),
+                              archive);
   return true;
 }
 

@@ -23,14 +23,14 @@ namespace stagewise {
 ///   of the same kind over any parameters).
 ///   static_assert(stagewise::parameter_state_optimizer<stagewise::optim::FusedStep>);
 template <class O>
-concept parameter_state_optimizer =
-    requires(const O& saved, O& loaded, const torch::Tensor& param,
-             torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-      { saved.state_kind() } -> std::convertible_to<std::string>;
-      { saved.keeps_state(param) } -> std::same_as<bool>;
-      { saved.save_state(param, out) } -> std::same_as<bool>;
-      loaded.load_state(param, in);
-    };
+concept parameter_state_optimizer = requires(const O& saved, O& loaded, const torch::Tensor& param,
+                                             torch::serialize::OutputArchive& out,
+                                             torch::serialize::InputArchive& in) {
+  { saved.state_kind() } -> std::convertible_to<std::string>;
+  { saved.keeps_state(param) } -> std::same_as<bool>;
+  { saved.save_state(param, out) } -> std::same_as<bool>;
+  loaded.load_state(param, in);
+};
 
 /// An optimizer whose state a pipe's save keeps and its load restores: any LibTorch optimizer
 /// (`torch::optim::Adam`, `SGD`, ...: every `torch::optim::Optimizer` but LBFGS, whose one

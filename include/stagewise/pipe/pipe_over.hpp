@@ -269,8 +269,9 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   void save(const std::string& dir, const Optimizer& optimizer, const amp::GradScaler& scaler,
             std::int64_t step) {
     const auto access = detail::saving(optimizer);
-    saves().save(dir, step, &access,
-                 {.save = [&](torch::serialize::OutputArchive& a) { detail::save_scaler(a, scaler); }});
+    saves().save(
+        dir, step, &access,
+        {.save = [&](torch::serialize::OutputArchive& a) { detail::save_scaler(a, scaler); }});
   }
 
   /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.

@@ -73,8 +73,9 @@ inline std::optional<SaveInfo> read_save_info(const std::string& dir) {
 }
 
 /// The complete save of the highest step among the directories in `root` (each save in a
-/// directory of its own, as `pipe->save("ckpt/step-" + std::to_string(step), ...)` makes them),
-/// or nothing: what a job restarted after a failure loads, on as many ranks as it now has.
+/// directory of its own, as `pipe->save("ckpt/step-" + std::to_string(step), ...)` makes them;
+/// of two saves of one step, the one whose directory name sorts last), or nothing: what a job
+/// restarted after a failure loads, on as many ranks as it now has.
 ///   auto last = sw::latest_save("ckpt");
 ///   std::int64_t first = last ? pipe->load(last->dir, optimizer) + 1 : 0;
 inline std::optional<SaveInfo> latest_save(const std::string& root) {
@@ -85,7 +86,10 @@ inline std::optional<SaveInfo> latest_save(const std::string& root) {
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     if (!entry.is_directory()) continue;
     auto info = read_save_info(entry.path().string());
-    if (info && (!best || info->step > best->step)) best = std::move(info);
+    if (info &&
+        (!best || info->step > best->step || (info->step == best->step && info->dir > best->dir))) {
+      best = std::move(info);
+    }
   }
   return best;
 }

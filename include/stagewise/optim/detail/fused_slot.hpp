@@ -210,7 +210,7 @@ struct FusedPostHook final : torch::autograd::FunctionPostHook {
 // Everything a FusedStep owns, on the heap so that hooks keep valid pointers when it moves.
 struct FusedState {
   std::vector<std::unique_ptr<FusedSlot>> slots;
-  std::unordered_map<const void*, FusedSlot*> by_impl;  // each slot by its parameter's TensorImpl
+  std::unordered_map<const void*, FusedSlot*> by_impl;  // each slot by its parameter's impl
   FusedShared shared;
   optim::OptimizerFactory factory;
   bool attached = false;

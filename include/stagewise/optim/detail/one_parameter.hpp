@@ -28,7 +28,7 @@ inline constexpr const char* kOneParameterKey = "1";
 
 // The group of `optimizer` that holds `param`, or null.
 inline const torch::optim::OptimizerParamGroup* group_of(const torch::optim::Optimizer& optimizer,
-                                                        const torch::Tensor& param) {
+                                                         const torch::Tensor& param) {
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       if (p.is_same(param)) return &group;
@@ -40,8 +40,8 @@ inline const torch::optim::OptimizerParamGroup* group_of(const torch::optim::Opt
 // LBFGS keeps one history over all its parameters (flat vectors), which no per-parameter entry
 // can hold.
 inline void refuse_lbfgs(const torch::optim::Optimizer& optimizer, const char* what) {
-  TORCH_CHECK(dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr, "stagewise::optim::",
-              what,
+  TORCH_CHECK(dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr,
+              "stagewise::optim::", what,
               ": torch::optim::LBFGS keeps one history over all its parameters, which cannot be "
               "saved parameter by parameter; save it yourself (torch::save(lbfgs, file)) and the "
               "pipe with save(dir, step)");
@@ -83,7 +83,9 @@ class AloneInGroups {
   // `options`: a copy of the options of `param`'s group.
   AloneInGroups(Optimizer& optimizer, const torch::Tensor& param,
                 std::unique_ptr<torch::optim::OptimizerOptions> options)
-      : optimizer_(optimizer), param_(param), groups_(std::move(optimizer.param_groups())),
+      : optimizer_(optimizer),
+        param_(param),
+        groups_(std::move(optimizer.param_groups())),
         state_(std::move(optimizer.state())) {
     optimizer.param_groups().clear();
     optimizer.state().clear();

@@ -156,8 +156,8 @@ struct Format1View {
 /// `check`, if given, is called on it (a scaler's state is there too).
 inline Format1Load prepare_format1(
     const Format1View& pipe, const std::string& where, const std::string& dir,
-    const std::string& rank_file, torch::serialize::InputArchive& rank_archive,
-    bool with_optimizer, const std::function<void(torch::serialize::InputArchive&)>& check,
+    const std::string& rank_file, torch::serialize::InputArchive& rank_archive, bool with_optimizer,
+    const std::function<void(torch::serialize::InputArchive&)>& check,
     const std::function<void(const std::string&, const std::function<void()>&)>& reading) {
   Format1Load out;
   out.modules.resize(pipe.stages.size());

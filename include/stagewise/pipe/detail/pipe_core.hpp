@@ -161,9 +161,11 @@ class PipeCore : public PlacedStages {
   std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
   std::vector<std::string> signatures_;                         // of every stage, for saves
-  std::vector<std::vector<detail::TensorEntry>> entries_;  // every stage's tensors, as saves name them
-  std::vector<std::string> prefixes_;                      // per stage: of its tensors' names
-  std::vector<std::int64_t> layers_;                       // per stage: the model's layers it holds
+  // Every stage's parameters and buffers as saves name them, the prefix of those names, and the
+  // model's layers each stage holds.
+  std::vector<std::vector<detail::TensorEntry>> entries_;
+  std::vector<std::string> prefixes_;
+  std::vector<std::int64_t> layers_;
   Replicas replicas_;                                           // data parallelism, if any
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 

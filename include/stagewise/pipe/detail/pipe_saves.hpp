@@ -133,7 +133,8 @@ struct PipeSaves {
       if (!view.stages[j]) continue;
       const auto tensors = view.tensors_of(j);
       write_tensors(tensors, j, save_file(dir, stage_name(j)), writer);
-      if (optimizer) write_states(tensors, *optimizer, j, save_file(dir, optimizer_name(j)), writer);
+      if (optimizer)
+        write_states(tensors, *optimizer, j, save_file(dir, optimizer_name(j)), writer);
     }
     torch::serialize::OutputArchive a, rng;
     a.write("format", c10::IValue(kSaveFormat));
@@ -233,8 +234,7 @@ inline PreparedLoad PipeSaves::prepare_rank_file(const std::string& dir, const s
                                                  const SaveOptimizer* optimizer,
                                                  const SaveExtras& extras) const {
   const auto path = save_file(dir, rank_name(view.rank));
-  TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ",
-              save_file(dir, index_name()),
+  TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", save_file(dir, index_name()),
               ": it is not a save, or the job stopped while saving; resume from an earlier save");
   auto archive = std::make_shared<torch::serialize::InputArchive>();
   std::int64_t format = 0;
@@ -250,9 +250,9 @@ inline PreparedLoad PipeSaves::prepare_rank_file(const std::string& dir, const s
   TORCH_CHECK(!optimizer || optimizer->load_whole, where, "the save in ", dir,
               " (save format 1) holds the optimizer's own archive, which only a LibTorch "
               "optimizer or optim::FusedStep reads; load it with one of those");
-  auto load = std::make_shared<Format1Load>(
-      prepare_format1(format1, where, dir, path, *archive, optimizer != nullptr, extras.check,
-                      reading(where, dir)));
+  auto load = std::make_shared<Format1Load>(prepare_format1(format1, where, dir, path, *archive,
+                                                            optimizer != nullptr, extras.check,
+                                                            reading(where, dir)));
   return {load->step, [load, optimizer, load_extras = extras.load] {
             for (const auto& m : load->modules) {
               if (m) m->copy_into();

@@ -51,7 +51,7 @@ SaveOptimizer loading(O& o) {
   s.load = [&o](const torch::Tensor& p, torch::serialize::InputArchive& a) {
     optim::load_state(o, p, a);
   };
-  if constexpr (requires(torch::serialize::InputArchive& a) { o.load(a); }) {
+  if constexpr (requires(torch::serialize::InputArchive & a) { o.load(a); }) {
     s.load_whole = [&o](torch::serialize::InputArchive& a) { o.load(a); };
   }
   return s;
@@ -80,8 +80,8 @@ inline void write_tensors(const std::vector<std::pair<TensorEntry, torch::Tensor
 /// Writes the optimizer state of stage `stage`'s parameters that `optimizer` keeps, each under
 /// its parameter's name, to `path`, whole.
 inline void write_states(const std::vector<std::pair<TensorEntry, torch::Tensor>>& tensors,
-                         const SaveOptimizer& optimizer, std::size_t stage,
-                         const std::string& path, const std::string& writer) {
+                         const SaveOptimizer& optimizer, std::size_t stage, const std::string& path,
+                         const std::string& writer) {
   torch::serialize::OutputArchive a;
   a.write("format", c10::IValue(kSaveFormat));
   a.write("stage", c10::IValue(static_cast<std::int64_t>(stage)));
@@ -116,8 +116,8 @@ class SavedFile {
     TORCH_CHECK(v.toInt() == static_cast<std::int64_t>(stage), where, path, " holds stage ",
                 v.toInt(), " where its index says stage ", stage, mixed());
     archive_.read("holds", v);
-    TORCH_CHECK(v.toStringRef() == holds, where, path, " holds ", v.toStringRef(), ", not ",
-                holds, mixed());
+    TORCH_CHECK(v.toStringRef() == holds, where, path, " holds ", v.toStringRef(), ", not ", holds,
+                mixed());
     if (archive_.try_read("kind", v)) kind_ = v.toStringRef();
     archive_.read("count", v);
     for (std::int64_t i = 0; i < v.toInt(); ++i) {

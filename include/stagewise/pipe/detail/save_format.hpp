@@ -27,14 +27,18 @@ inline constexpr std::int64_t kSaveFormat = 2;
 inline std::string save_file(const std::string& dir, const std::string& name) {
   return (std::filesystem::path(dir) / name).string();
 }
-inline std::string index_name() { return "index.pt"; }
+inline std::string index_name() {
+  return "index.pt";
+}
 inline std::string stage_name(std::size_t stage) {
   return "stage" + std::to_string(stage) + ".pt";
 }
 inline std::string optimizer_name(std::size_t stage) {
   return "stage" + std::to_string(stage) + ".optimizer.pt";
 }
-inline std::string rank_name(int rank) { return "rank" + std::to_string(rank) + ".pt"; }
+inline std::string rank_name(int rank) {
+  return "rank" + std::to_string(rank) + ".pt";
+}
 
 /// Writes `archive` to `path` whole or not at all: into a temporary file beside it (`writer`
 /// tells apart processes writing the same file), then renamed over it, so a process killed

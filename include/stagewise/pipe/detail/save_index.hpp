@@ -97,7 +97,8 @@ struct SaveIndex {
       TORCH_CHECK(names.size() == what.size(), "its stage ", j, " lists ", names.size(),
                   " names but ", what.size(), " descriptions");
       x.entries.emplace_back();
-      for (std::size_t i = 0; i < names.size(); ++i) x.entries.back().push_back({names[i], what[i]});
+      for (std::size_t i = 0; i < names.size(); ++i)
+        x.entries.back().push_back({names[i], what[i]});
       x.files.push_back(read_strings("files" + s));
       x.state_files.push_back(read_strings("state_files" + s));
     }

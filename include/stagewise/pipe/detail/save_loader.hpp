@@ -118,7 +118,7 @@ struct SavedStageNeeds {
 
 /// Groups what this process's stages need by the saved stage that holds it and their device.
 inline std::vector<SavedStageNeeds> needs_of(const SaveIndex& saved, const SaveView& pipe,
-                                            const SaveOptimizer* optimizer) {
+                                             const SaveOptimizer* optimizer) {
   const auto where = saved.locations();
   std::map<std::pair<std::size_t, std::string>, SavedStageNeeds> by_file;
   for (std::size_t j = 0; j < pipe.stages.size(); ++j) {
@@ -184,12 +184,12 @@ class StageReader {
       const auto& [entry, target] = needs.tensors[i];
       reading_(states.front()->path(), [&] {
         out.states.emplace_back(
-            target, read_entry(
-                        states, entry.name, [&](SavedFile& f) { return f.state(entry.name); },
-                        where_ + "the save in " + dir_ + " has no optimizer state for '" +
-                            entry.name +
-                            "' (the optimizer that saved it did not hold it); give the optimizer "
-                            "without it, or resume from a save whose optimizer held it"));
+            target,
+            read_entry(
+                states, entry.name, [&](SavedFile& f) { return f.state(entry.name); },
+                where_ + "the save in " + dir_ + " has no optimizer state for '" + entry.name +
+                    "' (the optimizer that saved it did not hold it); give the optimizer "
+                    "without it, or resume from a save whose optimizer held it"));
       });
     }
   }
@@ -228,8 +228,8 @@ inline RngState read_generators(const SaveIndex& saved, const SaveView& pipe,
                                 const std::string& where, const std::string& dir,
                                 const SaveReading& reading) {
   const auto source = rng_source(saved, pipe);
-  TORCH_CHECK(source < saved.rank_files.size(), where, "the index of the save in ", dir,
-              " lists ", saved.rank_files.size(), " processes' generators, not process ", source,
+  TORCH_CHECK(source < saved.rank_files.size(), where, "the index of the save in ", dir, " lists ",
+              saved.rank_files.size(), " processes' generators, not process ", source,
               "'s; the save is damaged: resume from another");
   const auto path = save_file(dir, saved.rank_files[source]);
   TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
@@ -255,11 +255,10 @@ inline RngState read_generators(const SaveIndex& saved, const SaveView& pipe,
 /// changing nothing: the model against the index, then the files holding what this process's
 /// stages need, and the generators it restores. `optimizer`: the optimizer to load (null: none);
 /// `check`, if given, is called on the index (a GradScaler's state is there).
-inline Format2Load prepare_format2(const SaveView& pipe, const std::string& where,
-                                   const std::string& dir, torch::serialize::InputArchive& index,
-                                   const SaveOptimizer* optimizer,
-                                   const std::function<void(torch::serialize::InputArchive&)>& check,
-                                   const SaveReading& reading) {
+inline Format2Load prepare_format2(
+    const SaveView& pipe, const std::string& where, const std::string& dir,
+    torch::serialize::InputArchive& index, const SaveOptimizer* optimizer,
+    const std::function<void(torch::serialize::InputArchive&)>& check, const SaveReading& reading) {
   Format2Load out;
   SaveIndex saved;
   reading(save_file(dir, index_name()), [&] {
