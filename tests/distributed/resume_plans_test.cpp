@@ -73,6 +73,7 @@ struct Job {
   int from = 0, to = kSteps, save_at = -1;
   fs::path save = {}, load = {}, out = {};
   bool load_own_copy = false;  // each rank loads load/rank<r>: its machine's copy of the save
+  bool v = false;              // ZB-V (two stages per rank, in a V) instead of 1F1B
 };
 
 // Writes this process's parameters under the model's names ("stage<j>." dropped) to `out`.
@@ -131,16 +132,15 @@ void train(PipeHolder& pipe, const Job& job, bool first, bool last, const Shard&
                                 : pipe->load(load.string(), *adam, scaler);
     TORCH_CHECK(step == job.from - 1, "loaded step ", step);
   }
-  const sw::schedule::one_f_one_b sched;
   for (int s = job.from; s < job.to; ++s) {
     auto [x, y] = batch(s);
     x = first ? shard(x) : torch::Tensor();
     y = last ? shard(y) : torch::Tensor();
     if (fused) {
-      pipe->train_step(x, y, mse, *fused, scaler, sched);
+      pipe->train_step(x, y, mse, *fused, scaler);  // the options' schedule
     } else {
       adam->zero_grad();
-      pipe->train_step(x, y, mse, scaler, sched);
+      pipe->train_step(x, y, mse, scaler);
       scaler.step(*adam);
     }
     scaler.update();
@@ -159,13 +159,19 @@ void train(PipeHolder& pipe, const Job& job, bool first, bool last, const Shard&
 
 void run(const Job& job, int rank) {
   auto seq = model(job.load.empty() ? 1 : 2);  // a resumed job starts elsewhere: load replaces it
+  auto options = sw::PipeOptions().chunks(4);
+  if (job.v) {
+    options.schedule(sw::schedule::any_schedule(sw::schedule::zero_bubble_v{}));  // on ranks too
+  } else {
+    options.schedule(sw::schedule::any_schedule(sw::schedule::one_f_one_b{}));
+  }
   if (job.one_process) {
-    auto pipe = sw::Pipe<>(seq, job.split, sw::PipeOptions().chunks(4));
+    auto pipe = sw::Pipe<>(seq, job.split, options);
     train(
         pipe, job, true, true, [](const torch::Tensor& t) { return t; }, rank);
     return;
   }
-  sw::distributed::Pipe pipe(seq, job.split, sw::PipeOptions().chunks(4),
+  sw::distributed::Pipe pipe(seq, job.split, options,
                              sw::distributed::Options().data_parallel(job.replicas).timeout(30s));
   const int n = pipe->num_stages();
   train(
@@ -221,21 +227,32 @@ TEST_SUITE("resume on other ranks") {
   }
 
   TEST_CASE(
-      "saved on 2 stages x 2 replicas, resumed on 4 stages x 1: within 1e-6 of the 4-rank "
-      "job") {
+      "saved on 2 stages x 2 replicas, or by a V of 4 stages on 2 ranks, resumed on 4 "
+      "stages x 1: within 1e-6 of the 4-rank job") {
     const auto root = scratch("replicas");
     const sw::balance four{2, 2, 2, 2};
+    launch(4, {.split = four, .out = root / "o4"});
     launch(4, {.split = {4, 4},
                .replicas = 2,
                .to = 2,
                .save_at = 1,
                .save = root / "s22",
                .out = root / "o22"});
-    launch(4, {.split = four, .from = 2, .load = root / "s22", .out = root / "r4"});
-    launch(4, {.split = four, .out = root / "o4"});
+    launch(4, {.split = four, .from = 2, .load = root / "s22", .out = root / "r22"});
     // Replicas average their mean gradients where one pipeline accumulates its micro-batches'
     // over all the rows: the same sum in another order, about 1e-7 apart.
-    expect_equal(parameters_of(root / "r4"), parameters_of(root / "o4"), 1e-6);
+    expect_equal(parameters_of(root / "r22"), parameters_of(root / "o4"), 1e-6);
+    // ZB-V: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2, each backward split in two, with
+    // the fused step (which the unfused 4-rank job loads); another schedule, another order.
+    launch(2, {.split = four,
+               .fused = true,
+               .to = 2,
+               .save_at = 1,
+               .save = root / "sv",
+               .out = root / "ov",
+               .v = true});
+    launch(4, {.split = four, .from = 2, .load = root / "sv", .out = root / "rv"});
+    expect_equal(parameters_of(root / "rv"), parameters_of(root / "o4"), 1e-6);
   }
 
   TEST_CASE(
