@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -406,5 +407,38 @@ TEST_SUITE("save and resume") {
     const auto a = state_of(*whole.pipe), b = state_of(*elsewhere.pipe);
     // The parameters: the batch norm's running statistics differ between splits (pipe_of).
     check_bit_identical({a.begin(), a.begin() + 8}, {b.begin(), b.begin() + 8});
+  }
+
+  TEST_CASE("latest_save picks the complete save of the highest step; read_save_info reads one") {
+    const Data d = data(1);
+    Trainer t(1, false);
+    t.step(d, 0);
+    const auto root = scratch("latest");
+    t.save(root / "a", 1);
+    t.save(root / "b", 3);
+    t.save(root / "c", 5);
+    fs::remove(root / "c" / "index.pt");  // killed while saving: incomplete
+    sw::testing::write_format1_save(t.pipe, *t.adam, (root / "d").string(), 4);
+    fs::create_directories(root / "notes");
+    std::ofstream(root / "notes" / "index.pt") << "not a save";
+
+    auto last = sw::latest_save(root.string());
+    REQUIRE(last.has_value());
+    CHECK(last->dir == (root / "d").string());
+    CHECK(last->step == 4);
+    CHECK(last->format == 1);
+    CHECK(last->stages == 2);
+    fs::remove(root / "d" / "rank0.pt");
+    last = sw::latest_save(root.string());
+    REQUIRE(last.has_value());
+    CHECK(last->dir == (root / "b").string());
+    CHECK(last->step == 3);
+    CHECK(last->format == 2);
+    CHECK(last->processes == 1);
+    CHECK(last->replicas == 1);
+    CHECK(last->stages == 2);
+    CHECK_FALSE(sw::read_save_info((root / "c").string()).has_value());
+    CHECK_FALSE(sw::read_save_info((root / "notes").string()).has_value());
+    CHECK_FALSE(sw::latest_save((root / "nowhere").string()).has_value());
   }
 }

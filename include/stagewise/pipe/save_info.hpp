@@ -20,8 +20,8 @@ namespace stagewise {
 /// one and to report what it resumes.
 ///   if (auto last = sw::latest_save("ckpt")) std::cout << last->dir << " step " << last->step;
 struct SaveInfo {
-  std::string dir;
-  std::int64_t step = 0;
+  std::string dir;             ///< the save's directory
+  std::int64_t step = 0;       ///< the step given to `save`, which `load` returns
   std::int64_t format = 0;     ///< 2 (any plan loads it) or 1 (only the plan that made it)
   std::int64_t processes = 1;  ///< the processes (ranks) of the job that saved it
   std::int64_t replicas = 1;   ///< its data-parallel replicas (format 2; 1 for format 1)
