@@ -5,6 +5,7 @@
 
 #include "stagewise/pipe/distributed/data_parallel.hpp"
 #include "stagewise/pipe/distributed/pipe.hpp"
+#include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"

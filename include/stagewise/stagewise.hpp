@@ -23,6 +23,7 @@
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/grad_scaler.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/shard_owners.hpp"
 #include "stagewise/pipe.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/plan_options.hpp"

@@ -284,17 +284,37 @@ class FusedStep {
     combined->save(archive);
   }
 
-  /// Loads state saved by `save` or by the unfused optimizer over the same parameters.
+  /// Loads state saved by `save` or by the unfused optimizer over the same parameters. Sharded
+  /// over data-parallel replicas (`distributed::DataParallel::step_with`, the 2-D pipe with
+  /// `shard_optimizer_state`), it keeps the state of the parameters this replica owns and
+  /// refuses, naming it and changing nothing, an owned parameter without state in an archive
+  /// that holds state for others (a save of another shard, or of another model).
   void load(torch::serialize::InputArchive& archive) {
     auto combined = combined_optimizer();
     combined->load(archive);
     const auto& options = combined->param_groups()[0].options();
-    for (auto& slot : state().slots) {
+    auto& st = state();
+    if (!st.owned.empty() && !combined->state().empty()) {
+      std::ostringstream missing;
+      int count = 0;
+      for (const auto& slot : st.slots) {
+        if (!st.owns(slot->index)) continue;
+        if (combined->state().count(detail::optimizer_state_key(slot->param)) == 0) {
+          missing << (count++ ? ", " : "") << slot->describe();
+        }
+      }
+      TORCH_CHECK(count == 0, "stagewise::optim::FusedStep::load: the archive holds optimizer "
+                  "state, but none for ", missing.str(), ", which this replica owns; it was "
+                  "saved by another replica or for another model. Load each replica's own "
+                  "save (same model, same replica count), or an unsharded optimizer's; nothing "
+                  "was loaded");
+    }
+    for (auto& slot : st.slots) {
       auto& map = slot->optimizer->state();
       map.clear();
       const auto key = detail::optimizer_state_key(slot->param);
       auto it = combined->state().find(key);
-      if (it != combined->state().end()) map[key] = std::move(it->second);
+      if (it != combined->state().end() && st.owns(slot->index)) map[key] = std::move(it->second);
       slot->optimizer->param_groups()[0].set_options(options.clone());
     }
   }

@@ -35,6 +35,22 @@ using FoundInfReduction = std::function<torch::Tensor(const torch::Tensor&)>;
 struct GradScalerAccess;  // below: what the pipes use of a GradScaler
 }  // namespace detail
 
+namespace optim {
+
+/// An optimizer whose parameters are spread over several processes, each stepping its own share
+/// (`distributed::Sharded`, optimizer state sharded over data-parallel replicas): a GradScaler
+/// sums its inf/NaN checks over every process through `sum_found_inf` before it steps, so that an
+/// inf in any share skips the step on every process and the scales stay the same.
+class JobWideChecks {
+ public:
+  virtual ~JobWideChecks() = default;
+  /// Every process's `found` (a one-element float tensor: this process's count of infs and NaNs)
+  /// summed, the same on every process; every process calls it at the same point.
+  virtual torch::Tensor sum_found_inf(const torch::Tensor& found) = 0;
+};
+
+}  // namespace optim
+
 namespace amp {
 
 /// Dynamic loss scaling for fp16 training, as PyTorch's `torch.amp.GradScaler`, which LibTorch
@@ -304,15 +320,22 @@ class GradScaler {
     }
     std::vector<torch::Tensor> out;
     for (auto& [d, f] : found) out.push_back(f);
-    return reduced(std::move(out));
+    detail::FoundInfReduction spread;  // a sharded optimizer's: its checks span the job
+    if (auto* job = dynamic_cast<optim::JobWideChecks*>(&optimizer)) {
+      spread = [job](const torch::Tensor& sum) { return job->sum_found_inf(sum); };
+    }
+    return reduced(std::move(out), spread);
   }
 
-  // Over several processes (a pipe's reduction for this step), the job's sum of `found`.
-  std::vector<torch::Tensor> reduced(std::vector<torch::Tensor> found) {
-    if (!reduction_) return found;
+  // Over several processes (a pipe's reduction for this step, else `fallback`: a sharded
+  // optimizer's), the job's sum of `found`.
+  std::vector<torch::Tensor> reduced(std::vector<torch::Tensor> found,
+                                     const detail::FoundInfReduction& fallback = nullptr) {
+    const auto& reduction = reduction_ ? reduction_ : fallback;
+    if (!reduction) return found;
     auto sum = torch::zeros({}, scale_.options());
     for (const auto& f : found) sum += f.to(scale_.device());
-    return {reduction_(sum).to(scale_.device())};
+    return {reduction(sum).to(scale_.device())};
   }
 
   static bool any_found(const std::vector<torch::Tensor>& found) {
@@ -352,7 +375,9 @@ class GradScaler {
         if (f.defined()) defined.push_back(f);
       }
       auto& state = states_[&fused];
-      state.found_inf = reduced(std::move(defined));
+      // Sharded over replicas (DataParallel::step_with), each checked only its own share.
+      state.found_inf =
+          reduced(std::move(defined), detail::FusedStepAccess::state(fused).shard_found_inf);
       TORCH_CHECK(!state.found_inf.empty(),
                   "stagewise::amp::GradScaler::step: no inf checks were recorded for this fused "
                   "step: none of its parameters got a gradient in the closure's backward");

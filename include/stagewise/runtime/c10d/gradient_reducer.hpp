@@ -2,7 +2,9 @@
 
 // Averages gradients over a group of ranks in buckets launched during backward, as soon as each
 // bucket's gradients are final, so that communication overlaps the rest of backward. The engine
-// under distributed::DataParallel (any module) and under the data-parallel replicas of a pipe.
+// under distributed::DataParallel (any module) and under the data-parallel replicas of a pipe;
+// sharded (ZeRO), it leaves each average on its parameter's owner only and sends the owners'
+// updated parameters back.
 
 #include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/detail/reducer_state.hpp"
@@ -104,8 +106,7 @@ class GradientReducer {
   /// as the job's other communication does; else work->wait()), checks that every rank gave a
   /// parameter a gradient or none did (see ReducerOptions::unused_parameters), and writes the
   /// averages into the gradients, calling `set_after_reduce`'s function bucket by bucket.
-  void complete(const std::function<void(const c10::intrusive_ptr<c10d::Work>&,
-                                         const std::string&)>& wait = {}) {
+  void complete(const detail::AwaitWork& wait = {}) {
     auto& s = *state_;
     std::lock_guard<std::mutex> lock(s.mutex);
     TORCH_CHECK(s.launched_by_hand, s.options.who, ": complete() without launch() before it");
@@ -125,11 +126,61 @@ class GradientReducer {
   }
 
   /// Called, at the end of each reducing backward, for every parameter whose averaged gradient
-  /// was written, bucket after bucket as each is written (e.g. to step it: a fused optimizer).
-  /// Between backward passes only.
-  void set_after_reduce(std::function<void(std::size_t)> after) {
+  /// was written, bucket after bucket as each is written (e.g. to step it: a fused optimizer);
+  /// sharded, for the parameters this rank owns. Sharded, `then_gather` (if given) is asked after
+  /// each bucket's calls whether to send the bucket's owned parameters to every rank at once
+  /// (the fused step stepped them; a norm pass did not), and with `wait` the reduction returns
+  /// only once every rank has them. Between backward passes only.
+  void set_after_reduce(std::function<void(std::size_t)> after,
+                        std::function<bool()> then_gather = {}, bool wait = false) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->after_reduce = std::move(after);
+    state_->gather_after_reduce = std::move(then_gather);
+    state_->wait_gathers = wait;
+  }
+
+  /// Sharded (`ReducerOptions::shard`): whether parameter `i` (of `params`) is this rank's, and
+  /// every parameter's owner (a rank of the group).
+  bool sharded() const { return state_->options.shard; }
+  bool owns(std::size_t i) const { return !sharded() || owner_of(i) == state_->group.rank(); }
+  int owner_of(std::size_t i) const {
+    TORCH_CHECK(sharded(), state_->options.who, ": the parameters are not sharded");
+    return state_->params.at(i).owner;
+  }
+
+  /// Sharded: starts sending every owner's parameters to every rank (after the owners stepped
+  /// them), bucket by bucket and owner by owner; every rank calls it at the same point. The
+  /// parameters must not be read before `wait_parameters` returns.
+  void gather_parameters() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TORCH_CHECK(sharded(), state_->options.who,
+                ": gather_parameters() is for sharded parameters (ReducerOptions::shard)");
+    for (const auto& b : state_->buckets) state_->gather_bucket(b);
+  }
+  /// Waits for what `gather_parameters` (or a fused step's gathering) sent, through `wait` if
+  /// given (else work->wait()), and writes the received values into the parameters.
+  void wait_parameters(const detail::AwaitWork& wait = {}) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->gather.wait(wait ? wait : [](const c10::intrusive_ptr<c10d::Work>& w,
+                                         const std::string&) { w->wait(); });
+  }
+  /// How the parameters are sharded, as ranks compare it (`check_same_sharding`): "not sharded",
+  /// or the group's size, the reduce-scatter and every parameter's owner.
+  std::string sharding() const {
+    const auto& s = *state_;
+    if (!s.options.shard) return "not sharded";
+    static const char* how[] = {"reduce", "all_to_all", "all_reduce"};
+    std::string out = "sharded over " + std::to_string(s.group.size()) +
+                      " ranks, reduce_scatter " + how[static_cast<int>(s.options.reduce_scatter)] +
+                      ", owners";
+    for (const auto& p : s.params) out += " " + std::to_string(p.owner);
+    return out;
+  }
+
+  /// Whether updated parameters are on their way (sent, not yet waited for).
+  bool parameters_pending() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->gather.pending();
   }
 
   /// The parameters, in the order given.

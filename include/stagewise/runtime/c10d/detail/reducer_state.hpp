@@ -3,9 +3,12 @@
 // The state of one GradientReducer (runtime/c10d/gradient_reducer.hpp): its parameters and their
 // buckets, the hooks on their gradient accumulators, and what one reduction goes through: which
 // gradients are ready, which buckets are launched, and the averages written back once every
-// all-reduce has completed, with the checks that keep the ranks together.
+// all-reduce has completed, with the checks that keep the ranks together. Sharded, the averages
+// reach only their owners, and the owners' updated parameters are sent back (shard_reduction.hpp).
 
 #include "stagewise/runtime/c10d/collectives.hpp"
+#include "stagewise/runtime/c10d/detail/reducer_bucket.hpp"
+#include "stagewise/runtime/c10d/detail/shard_reduction.hpp"
 #include "stagewise/runtime/c10d/reducer_options.hpp"
 
 #include <c10/util/Exception.h>
@@ -27,24 +30,6 @@
 #include <vector>
 
 namespace stagewise::runtime::detail {
-
-struct ReducerParam {
-  torch::Tensor tensor;
-  std::string name;
-  std::shared_ptr<torch::autograd::Node> accumulator;
-  std::uintptr_t hook_key = 0;
-  std::size_t bucket = 0;
-  std::int64_t offset = 0;
-};
-
-struct ReducerBucket {
-  std::vector<std::size_t> members;
-  std::int64_t numel = 0;
-  std::size_t pending = 0;
-  bool launched = false;
-  torch::Tensor flat;
-  c10::intrusive_ptr<c10d::Work> work;
-};
 
 struct ReducerState;
 
@@ -74,30 +59,18 @@ struct ReducerState {
   torch::Tensor used;  // per parameter, 1 where this rank gave it a gradient; then summed
   c10::intrusive_ptr<c10d::Work> count_work;
   bool launched_by_hand = false;  // launch() ran, complete() not yet
+  // Sharded only:
+  std::vector<std::string> taken;  // got a gradient here that another hook freed before launch
+  ParameterGather gather;          // the owners' updated parameters on their way
+  std::function<bool()> gather_after_reduce;  // true: each bucket's owned parameters are sent
+                                              // once after_reduce stepped them
+  bool wait_gathers = false;  // the reduction waits for what it sent before returning
+
+  bool sharded() const { return options.shard; }
+  int me() const { return group.rank(); }
 
   void plan_buckets() {
-    std::map<std::pair<int, std::string>, std::size_t> open;  // (dtype, device) -> bucket
-    for (std::size_t k = params.size(); k-- > 0;) {
-      const auto& t = params[k].tensor;
-      const auto key = std::make_pair(static_cast<int>(t.scalar_type()), t.device().str());
-      auto it = open.find(key);
-      const auto bytes = static_cast<std::int64_t>(t.numel() * t.element_size());
-      if (it != open.end()) {
-        const auto& b = buckets[it->second];
-        const auto element = static_cast<std::int64_t>(t.element_size());
-        if ((b.numel * element) + bytes > options.bucket_bytes) open.erase(it);
-      }
-      it = open.find(key);
-      if (it == open.end()) {
-        buckets.emplace_back();
-        it = open.emplace(key, buckets.size() - 1).first;
-      }
-      auto& b = buckets[it->second];
-      params[k].bucket = it->second;
-      params[k].offset = b.numel;
-      b.members.push_back(k);
-      b.numel += t.numel();
-    }
+    buckets = plan_reducer_buckets(params, options.bucket_bytes, sharded() ? group.size() : 0);
     ready.assign(params.size(), 0);
     accumulated.assign(params.size(), 0);
   }
@@ -116,14 +89,17 @@ struct ReducerState {
   }
   void unhook_all() {
     std::lock_guard<std::mutex> lock(mutex);
-    for (auto& b : buckets) {
-      if (b.work) {
-        try {
-          b.work->wait();
-        } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
-        }
+    auto quietly = [](const c10::intrusive_ptr<c10d::Work>& w, const std::string&) {
+      try {
+        w->wait();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
       }
+    };
+    for (auto& b : buckets) {
+      if (b.work) quietly(b.work, "");
+      for (const auto& w : b.shard.works) quietly(w, "");
     }
+    gather.wait(quietly);
     for (auto& p : params) {
       if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
       p.accumulator.reset();
@@ -145,6 +121,7 @@ struct ReducerState {
   void start_round() {
     ready.assign(params.size(), 0);
     late.clear();
+    taken.clear();
     next_launch = 0;
     bytes = 0;
     count_work.reset();
@@ -178,6 +155,12 @@ struct ReducerState {
   // Launches the buckets whose gradients are final, in bucket order on every rank (c10d
   // matches collectives by their order).
   void launch_ready() {
+    if (sharded()) {  // free what has arrived: a rank holds little more than its own part
+      for (std::size_t k = 0; k < next_launch; ++k) {
+        auto& s = buckets[k].shard;
+        if (!s.retired && s.done()) s.retire(me(), group.size(), options.reduce_scatter);
+      }
+    }
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       launch(buckets[next_launch++]);
     }
@@ -185,22 +168,32 @@ struct ReducerState {
 
   void launch(ReducerBucket& b) {
     const auto& first = params[b.members.front()].tensor;
-    if (!b.flat.defined()) b.flat = torch::empty({b.numel}, first.options());
+    // Sharded, the copy lives only while it travels; else it is kept for the next step.
+    torch::Tensor flat = sharded() ? torch::Tensor() : b.flat;
+    if (!flat.defined()) flat = torch::empty({b.numel}, first.options());
     torch::NoGradGuard no_grad;
     for (const auto k : b.members) {
-      const auto& p = params[k];
-      auto slice = b.flat.narrow(0, p.offset, p.tensor.numel());
-      const auto& grad = p.tensor.grad();
-      if ((ready[k] || accumulated[k]) && grad.defined()) {
+      auto& p = params[k];
+      auto slice = flat.narrow(0, p.offset, p.tensor.numel());
+      auto& grad = p.tensor.mutable_grad();
+      const bool mine = ready[k] || accumulated[k];
+      if (mine && grad.defined()) {
         slice.copy_(grad.reshape({-1}));
+        if (sharded()) grad.reset();  // the copy travels; only the owner gets the average
       } else {
+        if (mine && sharded()) taken.push_back(p.name);
         slice.zero_();  // no gradient here: zeros, as one process on the whole batch
       }
     }
+    bytes += b.numel * static_cast<std::int64_t>(flat.element_size());
+    b.launched = true;
+    if (sharded()) {
+      b.shard.launch(group, options.reduce_scatter, std::move(flat));
+      return;
+    }
+    b.flat = flat;
     std::vector<at::Tensor> tensors{b.flat};
     b.work = group.all_reduce_sum(tensors);
-    b.launched = true;
-    bytes += b.numel * static_cast<std::int64_t>(b.flat.element_size());
   }
 
   // When the marked backward ends (the engine's final callback), on its thread.
@@ -226,15 +219,16 @@ struct ReducerState {
     count_work = group.all_reduce_sum(counts);
   }
 
-  // Waits for the launched all-reduces, checks them and writes the averages.
-  void complete_locked(const std::function<void(const c10::intrusive_ptr<c10d::Work>&,
-                                                const std::string&)>& wait) {
-    std::ostringstream taken;  // got a gradient here, but another hook freed it
+  // Waits for the launched all-reduces, checks them and writes the averages (sharded: into the
+  // owners' gradients only, freeing the others'), calling after_reduce bucket by bucket.
+  void complete_locked(const AwaitWork& wait) {
+    std::ostringstream taken_names;  // got a gradient here, but another hook freed it
     int n_taken = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
+    for (const auto& name : taken) taken_names << (n_taken++ ? ", " : "") << name;
+    for (std::size_t i = 0; i < params.size() && !sharded(); ++i) {
       const bool mine = ready[i] || accumulated[i];
       if (mine && !params[i].tensor.grad().defined()) {
-        taken << (n_taken++ ? ", " : "") << params[i].name;
+        taken_names << (n_taken++ ? ", " : "") << params[i].name;
       }
     }
     accumulated.assign(params.size(), 0);
@@ -247,15 +241,37 @@ struct ReducerState {
     };
     await(count_work, "the count of the ranks that gave each parameter a gradient");
     for (std::size_t k = 0; k < buckets.size(); ++k) {
-      await(buckets[k].work, "bucket " + std::to_string(k) + " of the gradients");
+      const auto what = "bucket " + std::to_string(k) + " of the gradients";
+      if (!sharded()) await(buckets[k].work, what);
+      for (const auto& w : buckets[k].shard.works) await(w, what);
     }
     const auto used_here = used.to(torch::kCPU);
     const auto* u = used_here.data_ptr<float>();
-    TORCH_CHECK(n_taken == 0, options.who, ": ", taken.str(),
+    TORCH_CHECK(n_taken == 0, options.who, ": ", taken_names.str(),
                 " got a gradient in this backward, but another hook freed it before it was "
                 "averaged over the ranks (an optim::FusedStep attached to these parameters steps "
                 "on this rank's gradient alone, and the ranks drift apart); give the fused step "
                 "to DataParallel::step_with(fused), which steps on the averages");
+    check_counts(u);
+    torch::NoGradGuard no_grad;
+    for (auto& b : buckets) {
+      if (sharded()) {
+        write_owned(b, u);
+      } else {
+        write_all(b, u);
+      }
+      if (!after_reduce) continue;
+      for (const auto i : b.members) {
+        if (u[i] > 0 && (!sharded() || params[i].owner == me())) after_reduce(i);
+      }
+      if (sharded() && gather_after_reduce && gather_after_reduce()) gather_bucket(b);
+    }
+    if (wait_gathers) gather.wait(await);
+  }
+
+  // Every rank gave a parameter a gradient, or none did (unless unused_parameters); none got a
+  // second one after its bucket left.
+  void check_counts(const float* u) const {
     const float world = static_cast<float>(group.size());
     std::ostringstream partly;
     int n_partly = 0;
@@ -280,24 +296,53 @@ struct ReducerState {
                   "parameter reached twice, e.g. through two reentrant recomputes); its "
                   "gradient would be wrong. Use it once per backward, or reduce it yourself");
     }
-    torch::NoGradGuard no_grad;
-    for (auto& b : buckets) {
-      b.flat.div_(world);
-      for (const auto i : b.members) {
-        if (u[i] == 0) continue;  // no rank used it: its gradient stays as it is
-        auto& p = params[i];
-        auto slice = b.flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
-        auto& grad = p.tensor.mutable_grad();
-        if (grad.defined()) {
-          grad.copy_(slice);
-        } else {
-          grad = slice.clone();
-        }
+  }
+
+  // Unsharded: the bucket's average into every gradient a rank used.
+  void write_all(ReducerBucket& b, const float* u) {
+    b.flat.div_(static_cast<float>(group.size()));
+    for (const auto i : b.members) {
+      if (u[i] == 0) continue;  // no rank used it: its gradient stays as it is
+      auto& p = params[i];
+      auto slice = b.flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
+      auto& grad = p.tensor.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(slice);
+      } else {
+        grad = slice.clone();
       }
-      if (!after_reduce) continue;
-      for (const auto i : b.members) {
-        if (u[i] > 0) after_reduce(i);
+    }
+  }
+
+  // Sharded: the owned parameters' gradients are this rank's averaged slice, each a tensor of
+  // its own over the slice's memory (not a view: optimizers detach_ gradients), which is freed
+  // once they all are; the others' are freed. An owned parameter no rank used keeps its own.
+  void write_owned(ReducerBucket& b, const float* u) {
+    b.shard.retire(me(), group.size(), options.reduce_scatter);
+    const auto& mine = b.shard.mine;
+    for (const auto i : b.members) {
+      auto& p = params[i];
+      auto& grad = p.tensor.mutable_grad();
+      if (p.owner != me()) {
+        grad.reset();
+        continue;
       }
+      if (u[i] == 0) continue;
+      const auto place = mine.narrow(0, p.shard_offset, p.tensor.numel()).view(p.tensor.sizes());
+      grad = torch::empty({0}, mine.options());
+      grad.set_(mine.storage(), place.storage_offset(), place.sizes(), place.strides());
+    }
+    b.shard.mine = torch::Tensor();
+  }
+
+  // Starts sending each owner's parameters of bucket `b` to every rank (owner by owner).
+  void gather_bucket(const ReducerBucket& b) {
+    for (int o = 0; o < group.size(); ++o) {
+      std::vector<torch::Tensor> owned;
+      for (const auto i : b.members) {
+        if (params[i].owner == o) owned.push_back(params[i].tensor);
+      }
+      gather.launch(group, o, owned, b.shard.slice_of(o).numel);
     }
   }
 };
