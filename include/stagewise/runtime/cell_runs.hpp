@@ -67,6 +67,9 @@ struct TrainStep {
   /// Called on the worker with stage j once its parameters' gradients of the step are final (after
   /// the stage's last B or W), e.g. to start reducing them; null: nothing is called.
   std::function<void(int)> gradients_ready;
+  /// Called on the worker with stage j before the stage's first forward of the step, e.g. to
+  /// wait for parameters another process updated (sharded optimizer state); null: nothing.
+  std::function<void(int)> parameters_needed;
   /// Where offloads O put what a checkpointed cell keeps until its reload L; none: the plan has
   /// no O.
   std::optional<AnyStore> store;

@@ -232,7 +232,10 @@ class PipeCore : public PlacedStages {
     }
     step.loss_fn = std::move(loss_fn);
     if (scaler_ != nullptr) step.loss_scale = detail::step_loss_scale(*scaler_, stages_);
-    if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
+    if (replicas_.many()) {
+      step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
+      step.parameters_needed = [this](int j) { replicas_.wait_parameters(j); };
+    }
     step.training = is_training();
     step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);
     return step;

@@ -1,7 +1,9 @@
 #pragma once
 
 #include "stagewise/pipe/distributed/detail/agreed_plan.hpp"
+#include "stagewise/pipe/detail/clip_norms.hpp"
 #include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
+#include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/pipe/pipeline_plan.hpp"
@@ -96,9 +98,29 @@ struct Options {
     reducer_.unused_parameters = on;
     return *this;
   }
+  /// Shards each stage's optimizer state over its replicas (ZeRO): every parameter of a stage is
+  /// owned by one of the stage's d replicas (whole tensors balanced by size); after the stage's
+  /// last backward of a step its gradients are reduce-scattered bucket by bucket, so each
+  /// replica receives the averages of its own parameters only, and the local gradients are freed
+  /// as each bucket leaves; the optimizer (`distributed::Sharded<torch::optim::Adam>` over
+  /// `pipe`, or the fused step of `train_step`) steps the owned parameters, whose new values then
+  /// travel to the other replicas, each waiting for them before its stage's next forward. Needs
+  /// `data_parallel(d)` with d > 1. See docs/distributed.md, "Sharded state".
+  ///   stagewise::distributed::Options().data_parallel(2).shard_optimizer_state(true)
+  Options& shard_optimizer_state(bool on) {
+    reducer_.shard = on;
+    return *this;
+  }
+  /// How sharded gradients reach their owners (default `runtime::ReduceScatter::reduce`).
+  Options& reduce_scatter(runtime::ReduceScatter how) {
+    reducer_.reduce_scatter = how;
+    return *this;
+  }
 
   /// What the setters above set, read back (as `PipeOptions`' getters are).
   int data_parallel() const { return replicas_; }
+  bool shard_optimizer_state() const { return reducer_.shard; }
+  runtime::ReduceScatter reduce_scatter() const { return reducer_.reduce_scatter; }
   const runtime::ReducerOptions& reducer() const { return reducer_; }
   int virtual_stages() const { return virtual_stages_; }
   /// Every stage's rank for a number of stages (`placed_like`); null: stage j on rank
@@ -198,6 +220,45 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
     return replicas_.bytes_last_step();
   }
 
+  /// With `Options().shard_optimizer_state(true)`: what a sharded optimizer steps
+  /// (`distributed::Sharded<Optimizer>` takes the pipe): this rank's stages' parameters (as
+  /// `parameters()` lists them), which this replica owns, and how the ranks exchange updated
+  /// parameters (waited for before each stage's next forward), inf/NaN checks (over every rank)
+  /// and gradient norms (every stage and shard).
+  ///   sw::distributed::Sharded<torch::optim::Adam> adam(pipe, torch::optim::AdamOptions(1e-3));
+  ShardedParameters sharded_parameters() {
+    ShardedParameters s;
+    s.who = "stagewise::distributed::Pipe";
+    TORCH_CHECK(replicas_.sharded(), s.who,
+                ": the optimizer state is not sharded; build the pipe with "
+                "distributed::Options().data_parallel(d).shard_optimizer_state(true), or use an "
+                "unsharded optimizer");
+    s.replicas = replicas();
+    s.replica = replica();
+    for (const auto& p : named_parameters(/*recurse=*/true)) {
+      s.parameters.push_back(p.value());
+      s.names.push_back(p.key());
+      s.owned.push_back(p.value().requires_grad() && replicas_.owns(p.value()) ? 1 : 0);
+    }
+    s.send_updated = [this] { replicas_.send_updated(); };
+    s.sum_found_inf = found_inf_reduction();
+    s.norms = [this, params = s.parameters](const std::vector<torch::Tensor>& mine,
+                                            double max_norm, double norm_type) {
+      auto gather = [this](const std::string& what, const torch::Tensor& values) {
+        return runtime::gather_values(*transport_, who_ + "::" + what, values);
+      };
+      return ::stagewise::detail::stage_norm_gather(transport_->processes(), stages_, params,
+                                                    gather, max_norm, norm_type,
+                                                    who_ + "::clip_grad_norm_")(mine);
+    };
+    return s;
+  }
+
+  /// With `Options().shard_optimizer_state(true)`: waits until every stage here holds its
+  /// owners' updates of the last step. Each stage's next forward, `save` and `load` wait for them
+  /// themselves; call it before reading the parameters otherwise (evaluating, printing).
+  void wait_parameters() { replicas_.wait_parameters(-1); }
+
   /// Which rank runs which stages of which replica, and which ranks give the input and the
   /// target, one line per rank (every rank returns the whole layout).
   ///   if (pipe->rank() == 0) std::cout << pipe->layout();
@@ -272,9 +333,10 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                       std::to_string(workers_));
     build(std::move(p.resolved));
     if (p.column) {
-      replicas_ = detail::ReplicaGradients(std::move(*p.column), dist_.data_parallel(), stages_,
-                                           transport_.get(), dist_.reducer(),
-                                           dist_.transport().device(), where_);
+      replicas_ = detail::ReplicaGradients(
+          std::move(*p.column), dist_.data_parallel(), stages_, transport_.get(), dist_.reducer(),
+          dist_.transport().device(), where_, dist_.transport().prefix() + "/shard",
+          dist_.connect().timeout);
     }
   }
 
@@ -283,6 +345,10 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   static Prepared prepare(runtime::Connection job, const torch::nn::Sequential& seq,
                           const balance& b, const PipeOptions& options, const Options& dist) {
     const int d = dist.data_parallel();
+    TORCH_CHECK(!dist.shard_optimizer_state() || d > 1,
+                "stagewise::distributed::Pipe: Options().shard_optimizer_state(true) shards each "
+                "stage's optimizer state over its data-parallel replicas, but the pipe has one "
+                "(data_parallel(1)); set data_parallel(d) with d > 1, or leave it off");
     Prepared p;
     p.resolved = ::stagewise::detail::resolve_pipe(
         options,
