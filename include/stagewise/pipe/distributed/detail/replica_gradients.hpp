@@ -78,7 +78,7 @@ class ReplicaGradients {
       reducers_[j] = std::make_unique<runtime::GradientReducer>(
           column_->collectives, std::move(params), std::move(names), options);
     }
-    if (options.shard) check_sharding(key, timeout);
+    check_sharding(key, timeout);  // sharded or not: a rank that differs is named
   }
 
   bool many() const { return replicas_ > 1; }
@@ -226,9 +226,10 @@ class ReplicaGradients {
     const auto all = runtime::gather_text(c, key, mine, timeout,
                                           "the sharding check (every rank must build the pipe)");
     const int per_replica = c.job_world() / replicas_;
+    const auto who = where_.substr(0, where_.rfind("::train_step"));  // a check at construction
     for (std::size_t r = 0; r < all.size(); ++r) {
       const auto first = static_cast<std::size_t>(static_cast<int>(r) % per_replica);
-      TORCH_CHECK(all[r] == all[first], where_, ": ranks ", first, " and ", r,
+      TORCH_CHECK(all[r] == all[first], who, ": ranks ", first, " and ", r,
                   " shard the optimizer state of their stages differently: rank ", first, " {",
                   all[first], "}, rank ", r, " {", all[r],
                   "}; give every rank the same distributed::Options().shard_optimizer_state(...) "
