@@ -28,7 +28,9 @@ namespace stagewise {
 ///   before it reads its parameters: with optimizer state sharded over the replicas, until the
 ///   owners' updates of the last step have arrived;
 /// - `own(fused)`: marks which of `fused`'s parameters this replica keeps optimizer state for
-///   (sharded: the ones it owns).
+///   (sharded: the ones it owns);
+/// - `weight_pass(stage, begin)`: on stage `stage`'s worker right before (`begin`) and after
+///   each action computing its weight gradients (to reduce each micro-batch's as it arrives).
 template <class R>
 concept pipe_replicas = requires(R& r, const R& cr, int stage, const torch::Tensor& loss,
                                  std::int64_t rows, optim::FusedStep* fused) {
@@ -39,6 +41,7 @@ concept pipe_replicas = requires(R& r, const R& cr, int stage, const torch::Tens
   { cr.writes_stage_files() } -> std::same_as<bool>;
   r.wait_parameters(stage);
   r.own(*fused);
+  r.weight_pass(stage, true);
 };
 
 /// One replica: nothing to average.
@@ -50,6 +53,7 @@ struct OneReplica {
   bool writes_stage_files() const { return true; }
   void wait_parameters(int /*stage*/) {}
   void own(optim::FusedStep& /*fused*/) {}
+  void weight_pass(int /*stage*/, bool /*begin*/) {}
 };
 
 static_assert(pipe_replicas<OneReplica>);

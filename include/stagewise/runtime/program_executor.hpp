@@ -302,8 +302,12 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
     }
     const double start = record ? now() : 0.0;
     // The action itself; an exception it raises gains the cell and the phase as context.
+    const bool weights = step.weight_pass && (a.kind == schedule::ActionKind::backward ||
+                                              a.kind == schedule::ActionKind::weight_grad);
     try {
+      if (weights) step.weight_pass(j, true);
       detail::run_action(c, a, in, total);
+      if (weights) step.weight_pass(j, false);
     } catch (const detail::Aborted&) {
       throw;
     } catch (const RelayedError&) {

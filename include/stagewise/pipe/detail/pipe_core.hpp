@@ -235,6 +235,7 @@ class PipeCore : public PlacedStages {
     if (replicas_.many()) {
       step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
       step.parameters_needed = [this](int j) { replicas_.wait_parameters(j); };
+      step.weight_pass = [this](int j, bool begin) { replicas_.weight_pass(j, begin); };
     }
     step.training = is_training();
     step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);

@@ -109,6 +109,20 @@ struct Options {
   ///   stagewise::distributed::Options().data_parallel(2).shard_optimizer_state(true)
   Options& shard_optimizer_state(bool on) {
     reducer_.shard = on;
+    if (!on) reducer_.reduce_each_pass = false;
+    return *this;
+  }
+  /// Shards the gradients during a step's accumulation too (ZeRO-2; implies
+  /// `shard_optimizer_state`): each micro-batch's backward reduce-scatters its gradients bucket
+  /// by bucket as they arrive and frees them, each owner adding up its averages over the
+  /// micro-batches, so a rank holds its shard of the gradients and a bucket or two in flight
+  /// instead of the whole stage's. A micro-batch's worth of communication per micro-batch (M
+  /// reduce-scatters a step instead of one); the sums come in another order than unsharded
+  /// (rounding differs, about 1e-7 relative). See docs/distributed.md, "Sharded state".
+  ///   stagewise::distributed::Options().data_parallel(2).shard_gradients(true)
+  Options& shard_gradients(bool on) {
+    reducer_.reduce_each_pass = on;
+    if (on) reducer_.shard = true;
     return *this;
   }
   /// How sharded gradients reach their owners (default `runtime::ReduceScatter::reduce`).
@@ -120,6 +134,7 @@ struct Options {
   /// What the setters above set, read back (as `PipeOptions`' getters are).
   int data_parallel() const { return replicas_; }
   bool shard_optimizer_state() const { return reducer_.shard; }
+  bool shard_gradients() const { return reducer_.reduce_each_pass; }
   runtime::ReduceScatter reduce_scatter() const { return reducer_.reduce_scatter; }
   const runtime::ReducerOptions& reducer() const { return reducer_; }
   int virtual_stages() const { return virtual_stages_; }

@@ -53,7 +53,9 @@ class GradientReducer {
       s.params.push_back(std::move(p));
     }
     s.plan_buckets();
-    if (s.options.from_backward) s.hook_all();
+    TORCH_CHECK(!s.options.reduce_each_pass || (s.options.shard && !s.options.from_backward),
+                s.options.who, ": reduce_each_pass is for a sharded reducer driven by launch()");
+    if (s.options.from_backward || s.options.reduce_each_pass) s.hook_all();
     std::lock_guard<std::mutex> lock(registry_mutex());
     id_ = next_id()++;
     registry()[id_] = state_;
@@ -92,15 +94,35 @@ class GradientReducer {
                 ": launch() is for a reducer built with ReducerOptions::from_backward false");
     TORCH_CHECK(!s.launched_by_hand, s.options.who,
                 ": launch() was called twice without complete() between");
-    s.start_round();
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      s.ready[i] = s.params[i].tensor.grad().defined() ? 1 : 0;
+    if (s.options.reduce_each_pass) {
+      // The passes reduced the gradients already: only the count of ranks that used each one.
+      TORCH_CHECK(s.in_step, s.options.who, ": launch() before any begin_pass()");
+      s.ready = s.used_any;
+      s.in_step = false;
+    } else {
+      s.start_round();
+      for (std::size_t i = 0; i < s.params.size(); ++i) {
+        s.ready[i] = s.params[i].tensor.grad().defined() ? 1 : 0;
+      }
+      for (auto& b : s.buckets) b.pending = 0;
+      s.launch_ready();
     }
-    for (auto& b : s.buckets) b.pending = 0;
-    s.launch_ready();
     s.launch_counts();
     s.launched_by_hand = true;
   }
+
+  /// With `ReducerOptions::reduce_each_pass`: before and after each backward pass of a step (a
+  /// micro-batch's backward of this reducer's parameters), on the thread that runs it. Between
+  /// them the parameters' gradients leave bucket by bucket as they arrive; `begin_pass` first
+  /// waits (through `wait`, if given) for the previous pass's. Every rank of the group runs the
+  /// same passes in the same order.
+  void begin_pass(const detail::AwaitWork& wait = {}) {
+    state_->begin_pass(wait ? wait : [](const c10::intrusive_ptr<c10d::Work>& w,
+                                        const std::string&) { w->wait(); });
+  }
+  void end_pass() { state_->end_pass(); }
+  /// Whether backward passes are reduced one by one (`ReducerOptions::reduce_each_pass`).
+  bool reduces_each_pass() const { return state_->options.reduce_each_pass; }
 
   /// Waits for what `launch()` started (each through `wait(work, what)` if given, e.g. to fail
   /// as the job's other communication does; else work->wait()), checks that every rank gave a
@@ -172,7 +194,7 @@ class GradientReducer {
     static const char* how[] = {"reduce", "all_to_all", "all_reduce"};
     std::string out = "sharded over " + std::to_string(s.group.size()) +
                       " ranks, reduce_scatter " + how[static_cast<int>(s.options.reduce_scatter)] +
-                      ", owners";
+                      (s.options.reduce_each_pass ? ", every pass" : "") + ", owners";
     for (const auto& p : s.params) out += " " + std::to_string(p.owner);
     return out;
   }

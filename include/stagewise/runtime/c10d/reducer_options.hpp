@@ -43,6 +43,13 @@ struct ReducerOptions {
   bool shard = false;
   /// How a sharded reducer sums each bucket to the owners (see `ReduceScatter`).
   ReduceScatter reduce_scatter = ReduceScatter::reduce;
+  /// Sharded and driven by launch()/complete(): reduce-scatter every backward pass between
+  /// `begin_pass()` and `end_pass()` (each micro-batch's, in a pipe) bucket by bucket as its
+  /// gradients arrive, each owner adding the averages up over the passes, so no rank holds more
+  /// than a bucket or two of gradients beyond its own shard (ZeRO-2 with gradient accumulation;
+  /// a pass's worth of communication each time). launch() then only counts the ranks that used
+  /// each parameter, and complete() writes the owners' sums.
+  bool reduce_each_pass = false;
 };
 
 }  // namespace stagewise::runtime

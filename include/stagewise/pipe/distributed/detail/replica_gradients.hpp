@@ -181,6 +181,19 @@ class ReplicaGradients {
     }
   }
 
+  /// Gradients sharded every pass: around each action computing stage `j`'s weight gradients.
+  void weight_pass(int j, bool begin) {
+    auto& r = reducers_[static_cast<std::size_t>(j)];
+    if (!r || !r->reduces_each_pass()) return;
+    if (!begin) {
+      r->end_pass();
+      return;
+    }
+    r->begin_pass([&](const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
+      transport_->wait_collective(w, column_->job_ranks, what + " of stage " + std::to_string(j));
+    });
+  }
+
   /// Sharded: waits until stage `j`'s parameters (-1: every stage's) hold their owners' updates.
   void wait_parameters(int j) {
     for (std::size_t k = 0; k < reducers_.size(); ++k) {

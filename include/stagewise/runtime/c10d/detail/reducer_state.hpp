@@ -65,6 +65,10 @@ struct ReducerState {
   std::function<bool()> gather_after_reduce;  // true: each bucket's owned parameters are sent
                                               // once after_reduce stepped them
   bool wait_gathers = false;  // the reduction waits for what it sent before returning
+  // Reduced per pass (ReducerOptions::reduce_each_pass): whether a step's passes have begun, and
+  // per parameter whether any pass of the step gave it a gradient here.
+  bool in_step = false;
+  std::vector<char> used_any;
 
   bool sharded() const { return options.shard; }
   int me() const { return group.rank(); }
@@ -117,10 +121,14 @@ struct ReducerState {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_backward(); });
   }
 
-  // A new reduction: nothing ready, nothing launched.
+  // A new reduction: nothing ready, nothing launched (and, unless it is a further pass of a step
+  // reduced per pass, no owner's sum yet).
   void start_round() {
+    if (!options.reduce_each_pass) {
+      for (auto& b : buckets) b.shard.mine = torch::Tensor();
+    }
     ready.assign(params.size(), 0);
-    late.clear();
+    if (!options.reduce_each_pass) late.clear();  // per pass: a step's, cleared at its first
     taken.clear();
     next_launch = 0;
     bytes = 0;
@@ -194,6 +202,34 @@ struct ReducerState {
     b.flat = flat;
     std::vector<at::Tensor> tensors{b.flat};
     b.work = group.all_reduce_sum(tensors);
+  }
+
+  // Reduced per pass: before a backward pass of a step (a micro-batch's B or W), on its thread.
+  // The previous pass's reductions are waited for first (through `wait`), so a rank holds no
+  // more than one pass's buckets in flight.
+  void begin_pass(const AwaitWork& wait) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      auto& s = buckets[k].shard;
+      for (const auto& w : s.works) wait(w, "bucket " + std::to_string(k) + " of the gradients");
+      s.retire(me(), group.size(), options.reduce_scatter);
+    }
+    if (!in_step) {
+      in_step = true;
+      used_any.assign(params.size(), 0);
+      late.clear();
+      for (auto& b : buckets) b.shard.mine = torch::Tensor();
+    }
+    start_round();
+    active = true;
+  }
+  // Reduced per pass: after the pass, what is left goes (parameters it did not reach as zeros).
+  void end_pass() {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& b : buckets) b.pending = 0;
+    launch_ready();
+    active = false;
+    for (std::size_t i = 0; i < params.size(); ++i) used_any[i] |= ready[i];
   }
 
   // When the marked backward ends (the engine's final callback), on its thread.

@@ -81,20 +81,27 @@ struct BucketShard {
     return true;
   }
 
-  // Once the works completed: keeps this rank's slice of the sum divided by `d`, in rank order
-  // where this process sums (all_to_all), and frees the rest.
+  // Once the works completed: adds this rank's slice of the sum divided by `d` to `mine` (which
+  // a reduction per pass accumulates; undefined at the start of a step), summing the pieces in
+  // rank order where this process sums them (all_to_all), and frees the rest.
   void retire(int me, int d, ReduceScatter how) {
     if (retired) return;
     torch::NoGradGuard no_grad;
     const auto& s = slice_of(me);
     if (s.numel > 0) {
+      torch::Tensor part;
       if (how == ReduceScatter::all_to_all) {
-        mine = received.narrow(0, 0, s.numel).clone();
-        for (int r = 1; r < d; ++r) mine.add_(received.narrow(0, r * s.numel, s.numel));
+        part = received.narrow(0, 0, s.numel).clone();
+        for (int r = 1; r < d; ++r) part.add_(received.narrow(0, r * s.numel, s.numel));
       } else {
-        mine = flat.narrow(0, s.offset, s.numel).clone();
+        part = flat.narrow(0, s.offset, s.numel).clone();
       }
-      mine.div_(static_cast<float>(d));  // as the unsharded reducer divides its sum
+      part.div_(static_cast<float>(d));  // as the unsharded reducer divides its sum
+      if (mine.defined()) {
+        mine.add_(part);
+      } else {
+        mine = std::move(part);
+      }
     }
     flat = torch::Tensor();
     received = torch::Tensor();
