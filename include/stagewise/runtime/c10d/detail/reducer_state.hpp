@@ -69,6 +69,7 @@ struct ReducerState {
   // per parameter whether any pass of the step gave it a gradient here.
   bool in_step = false;
   std::vector<char> used_any;
+  AwaitWork pass_wait;  // how this pass waits for its earlier buckets (bounding those in flight)
 
   bool sharded() const { return options.shard; }
   int me() const { return group.rank(); }
@@ -170,16 +171,39 @@ struct ReducerState {
       }
     }
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+      // Reduced per pass: at most kInFlight of the pass's buckets travel at once, so that a
+      // replica ahead of the others does not hold a whole pass of copies; the wait is for
+      // buckets every replica launches in the same order.
+      if (options.reduce_each_pass && next_launch >= kInFlight) {
+        const auto k = next_launch - kInFlight;
+        auto& s = buckets[k].shard;
+        for (const auto& w : s.works) pass_wait(w, "bucket " + std::to_string(k) + " of the gradients");
+        s.retire(me(), group.size(), options.reduce_scatter);
+      }
       launch(buckets[next_launch++]);
     }
   }
+  static constexpr std::size_t kInFlight = 2;
 
   void launch(ReducerBucket& b) {
     const auto& first = params[b.members.front()].tensor;
+    torch::NoGradGuard no_grad;
+    if (sharded() && b.members.size() == 1) {
+      // One gradient: it travels itself (reduced in place), no copy.
+      const auto k = b.members.front();
+      auto& grad = params[k].tensor.mutable_grad();
+      if ((ready[k] || accumulated[k]) && grad.defined() && grad.is_contiguous()) {
+        auto flat = grad.detach().reshape({-1});
+        grad.reset();
+        bytes += b.numel * static_cast<std::int64_t>(flat.element_size());
+        b.launched = true;
+        b.shard.launch(group, options.reduce_scatter, std::move(flat));
+        return;
+      }
+    }
     // Sharded, the copy lives only while it travels; else it is kept for the next step.
     torch::Tensor flat = sharded() ? torch::Tensor() : b.flat;
     if (!flat.defined()) flat = torch::empty({b.numel}, first.options());
-    torch::NoGradGuard no_grad;
     for (const auto k : b.members) {
       auto& p = params[k];
       auto slice = flat.narrow(0, p.offset, p.tensor.numel());
@@ -209,6 +233,7 @@ struct ReducerState {
   // more than one pass's buckets in flight.
   void begin_pass(const AwaitWork& wait) {
     std::lock_guard<std::mutex> lock(mutex);
+    pass_wait = wait;
     for (std::size_t k = 0; k < buckets.size(); ++k) {
       auto& s = buckets[k].shard;
       for (const auto& w : s.works) wait(w, "bucket " + std::to_string(k) + " of the gradients");
