@@ -450,11 +450,31 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const PipelinePlan& plan,
        Options dist = {})
       : Pipe(connection, seq,
-             detail::agreed_plan(connection, plan, dist.transport().prefix() + "/plan",
-                                 dist.connect().timeout),
+             detail::agreed_plan(connection, counted_as_built(plan, dist),
+                                 dist.transport().prefix() + "/plan", dist.connect().timeout),
              dist, 0) {}
 
  private:
+  // The replicas and sharding the plan counted memory for are the pipe's (a plan for sharded
+  // replicas would not fit unsharded ones).
+  static const PipelinePlan& counted_as_built(const PipelinePlan& plan, const Options& dist) {
+    auto describe = [](int d, bool state, bool grads) {
+      std::string s = "data_parallel(" + std::to_string(d) + ")";
+      if (grads) return s + ".shard_gradients(true)";
+      if (state) return s + ".shard_optimizer_state(true)";
+      return s;
+    };
+    const auto planned =
+        describe(plan.replicas, plan.shard_optimizer_state, plan.shard_gradients);
+    const auto built = describe(dist.data_parallel(), dist.shard_optimizer_state(),
+                                dist.shard_gradients());
+    TORCH_CHECK(planned == built, "stagewise::distributed::Pipe: the plan counts each worker's "
+                "memory for ", planned, " (PlanOptions().replicas and sharding) but the pipe is "
+                "built with ", built, "; build it with distributed::Options().", planned,
+                ", or plan for the pipe you build");
+    return plan;
+  }
+
   Pipe(const runtime::Connection& connection, const torch::nn::Sequential& seq,
        const PipelinePlan& agreed, const Options& dist, int)
       : Pipe(connection, seq, agreed.split, agreed.options(), dist) {}
