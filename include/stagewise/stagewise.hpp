@@ -22,6 +22,7 @@
 #include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/grad_scaler.hpp"
+#include "stagewise/optim/job_wide_checks.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
 #include "stagewise/optim/shard_owners.hpp"
 #include "stagewise/pipe.hpp"

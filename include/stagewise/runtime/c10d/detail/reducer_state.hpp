@@ -171,13 +171,20 @@ struct ReducerState {
       }
     }
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
-      // Reduced per pass: at most kInFlight of the pass's buckets travel at once, so that a
-      // replica ahead of the others does not hold a whole pass of copies; the wait is for
-      // buckets every replica launches in the same order.
-      if (options.reduce_each_pass && next_launch >= kInFlight) {
+      // Sharded, inside a backward: at most kInFlight of its buckets travel at once, so that a
+      // rank ahead of the others does not hold a whole backward's copies; the wait is for
+      // buckets every rank launches in the same order (DataParallel's, or a pipe's pass).
+      if (sharded() && active && next_launch >= kInFlight) {
         const auto k = next_launch - kInFlight;
         auto& s = buckets[k].shard;
-        for (const auto& w : s.works) pass_wait(w, "bucket " + std::to_string(k) + " of the gradients");
+        for (const auto& w : s.works) {
+          const auto what = "bucket " + std::to_string(k) + " of the gradients";
+          if (pass_wait) {
+            pass_wait(w, what);
+          } else {
+            w->wait();
+          }
+        }
         s.retire(me(), group.size(), options.reduce_scatter);
       }
       launch(buckets[next_launch++]);
