@@ -107,6 +107,7 @@ struct Config {
   bool scaler = false;  // step 1: an inf in Poison's gradient on replica 1
   sw::runtime::ReduceScatter how = sw::runtime::ReduceScatter::reduce;
   bool each_pass = false;  // shard_gradients: every micro-batch reduce-scattered as it goes
+  bool twice = false;      // unfused: two train_steps on the step's two halves, then one step
 };
 
 std::unique_ptr<torch::optim::Optimizer> unsharded_opt(const std::string& kind,
@@ -198,6 +199,19 @@ Trained train(const sw::runtime::Connection& c, const Config& cfg, const Schedul
       } else {
         run();
       }
+    } else if (cfg.twice) {
+      // Each half of the replica's rows, both reduced; the averages add up (then halved by the
+      // losses' weights: loss_fn over half the rows, times 1/2).
+      const auto half = [&](const torch::Tensor& t, int k) {
+        return t.defined() ? t.narrow(0, k * t.size(0) / 2, t.size(0) / 2) : t;
+      };
+      auto halved = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return torch::mse_loss(o, t) / 2;
+      };
+      loss = pipe->train_step(half(in, 0), half(target, 0), halved, s) +
+             pipe->train_step(half(in, 1), half(target, 1), halved, s);
+      opt->step();
+      opt->zero_grad();
     } else {
       loss = cfg.scaler ? pipe->train_step(in, target, mse, scaler, s)
                         : pipe->train_step(in, target, mse, s);
@@ -260,8 +274,20 @@ void compare(const sw::runtime::Connection& c, const Config& cfg, const Schedule
   for (int step = 0; step < 3; ++step) {
     auto [x, y] = batch(step);
     if (cfg.scaler && step == 1) zpipe::armed_calls() = 1;
-    ref_losses.push_back(cfg.scaler ? ref->train_step(x, y, mse, scaler, s)
-                                    : ref->train_step(x, y, mse, s));
+    if (cfg.twice) {  // each replica's half of its rows, both halves of the global batch
+      auto halved = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return torch::mse_loss(o, t) / 2;
+      };
+      auto rows = [](const torch::Tensor& t, int k) {
+        // Replica r's half k: rows [r * 6 + k * 3, + 3) of 12.
+        return torch::cat({t.narrow(0, k * 3, 3), t.narrow(0, 6 + k * 3, 3)});
+      };
+      ref_losses.push_back(ref->train_step(rows(x, 0), rows(y, 0), halved, s) +
+                           ref->train_step(rows(x, 1), rows(y, 1), halved, s));
+    } else {
+      ref_losses.push_back(cfg.scaler ? ref->train_step(x, y, mse, scaler, s)
+                                      : ref->train_step(x, y, mse, s));
+    }
     if (cfg.scaler) scaler.unscale_(*ref_opt);
     if (cfg.clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), cfg.clip);
     if (cfg.scaler) {
@@ -275,9 +301,10 @@ void compare(const sw::runtime::Connection& c, const Config& cfg, const Schedule
   auto check = [&](bool ok, const std::string& what) { TORCH_CHECK(ok, cfg.name, ": ", what); };
   for (int step = 0; step < 3; ++step) {
     const torch::Tensor& l = sharded.losses[static_cast<std::size_t>(step)];
-    // Reduced every pass, the sums come in another order: equal up to rounding.
+    // Reduced every pass (or twice a step), the sums come in another order: equal up to rounding.
     const auto& p = plain.losses[static_cast<std::size_t>(step)];
-    check(!unsharded || (cfg.each_pass ? torch::allclose(l, p, 1e-6, 0) : torch::equal(l, p)),
+    const bool rounding = cfg.each_pass || cfg.twice;
+    check(!unsharded || (rounding ? torch::allclose(l, p, 1e-6, 0) : torch::equal(l, p)),
           "the loss of step " + std::to_string(step) + " differs from the unsharded pipe's");
     const torch::Tensor& r = ref_losses[static_cast<std::size_t>(step)];
     const double diff = (l - r).abs().item<double>() / std::max(r.abs().item<double>(), 1e-6);
@@ -293,7 +320,7 @@ void compare(const sw::runtime::Connection& c, const Config& cfg, const Schedule
                                      whole = ref_seq[l]->parameters();
     for (std::size_t p = 0; p < mine.size(); ++p) {
       const auto what = "layer " + std::to_string(l) + " parameter " + std::to_string(p);
-      if (cfg.each_pass) {
+      if (cfg.each_pass || cfg.twice) {
         const double scale = std::max(theirs[p].abs().max().item<double>(), 1e-6);
         const double diff = (mine[p] - theirs[p]).abs().max().item<double>() / scale;
         check(diff <= 1e-6, what + " differs from the unsharded pipe's by " + std::to_string(diff));
@@ -348,6 +375,10 @@ TEST_SUITE("distributed pipe x data parallel, sharded state") {
                          sched::one_f_one_b{});
           zpipe::compare(c, Cfg{.name = "zero2-1f1b-adam", .kind = "adam", .each_pass = true},
                          sched::one_f_one_b{});
+          zpipe::compare(c, Cfg{.name = "twice-1f1b-adam", .kind = "adam", .twice = true},
+                         sched::one_f_one_b{});
+          zpipe::compare(c, Cfg{.name = "zero2-twice-gpipe-sgd", .each_pass = true, .twice = true},
+                         sched::gpipe{});
           zpipe::compare(c, Cfg{.name = "zero2-fused-zb-sgd", .mode = never, .fused = true,
                                 .each_pass = true},
                          sched::zero_bubble_h1{});

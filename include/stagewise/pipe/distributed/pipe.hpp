@@ -337,9 +337,11 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
              dist, 0) {}
 
  private:
-  // The replicas and sharding the plan counted memory for are the pipe's (a plan for sharded
-  // replicas would not fit unsharded ones).
+  // The replicas and sharding the plan counted memory for (`PlanOptions().replicas(d)`) are the
+  // pipe's: a plan for sharded replicas would not fit unsharded ones. A plan that counted none
+  // (replicas 1, the planner's default) is a replica's plan that leaves out what replicas add.
   static const PipelinePlan& counted_as_built(const PipelinePlan& plan, const Options& dist) {
+    if (plan.replicas == 1 && !plan.shard_optimizer_state) return plan;
     auto describe = [](int d, bool state, bool grads) {
       std::string s = "data_parallel(" + std::to_string(d) + ")";
       if (grads) return s + ".shard_gradients(true)";

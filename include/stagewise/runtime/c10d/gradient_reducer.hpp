@@ -55,7 +55,7 @@ class GradientReducer {
     s.plan_buckets();
     TORCH_CHECK(!s.options.reduce_each_pass || (s.options.shard && !s.options.from_backward),
                 s.options.who, ": reduce_each_pass is for a sharded reducer driven by launch()");
-    if (s.options.from_backward || s.options.reduce_each_pass) s.hook_all();
+    if (s.options.from_backward || s.options.reduce_each_pass || s.options.shard) s.hook_all();
     std::lock_guard<std::mutex> lock(registry_mutex());
     id_ = next_id()++;
     registry()[id_] = state_;
@@ -102,7 +102,9 @@ class GradientReducer {
     } else {
       s.start_round();
       for (std::size_t i = 0; i < s.params.size(); ++i) {
-        s.ready[i] = s.params[i].tensor.grad().defined() ? 1 : 0;
+        // A gradient that is still the last reduction's average got nothing new here.
+        const auto& grad = s.params[i].tensor.grad();
+        s.ready[i] = grad.defined() && !s.installed_is(i, grad) ? 1 : 0;
       }
       for (auto& b : s.buckets) b.pending = 0;
       s.launch_ready();
@@ -121,6 +123,13 @@ class GradientReducer {
                                         const std::string&) { w->wait(); });
   }
   void end_pass() { state_->end_pass(); }
+  /// Hooks again the parameters whose gradient accumulators changed (a parameter given other
+  /// storage in place, as torch::load does): before a step's backward passes, for a reducer
+  /// driven by launch() (a marked backward does it itself).
+  void rehook() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->hook_all();
+  }
   /// Whether backward passes are reduced one by one (`ReducerOptions::reduce_each_pass`).
   bool reduces_each_pass() const { return state_->options.reduce_each_pass; }
 

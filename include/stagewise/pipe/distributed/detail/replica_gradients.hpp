@@ -199,6 +199,7 @@ class ReplicaGradients {
     for (std::size_t k = 0; k < reducers_.size(); ++k) {
       auto& r = reducers_[k];
       if (!r || !r->sharded() || (j >= 0 && static_cast<std::size_t>(j) != k)) continue;
+      r->rehook();  // before the step's backward passes: a loaded parameter has a new node
       r->wait_parameters([&](const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
         transport_->wait_collective(w, column_->job_ranks, what + " of stage " + std::to_string(k));
       });

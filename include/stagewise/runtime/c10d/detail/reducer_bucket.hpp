@@ -8,6 +8,7 @@
 #include "stagewise/runtime/c10d/detail/shard_reduction.hpp"
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/types.h>
 
 #include <cstddef>
@@ -25,6 +26,7 @@ struct ReducerParam {
   std::string name;
   std::shared_ptr<torch::autograd::Node> accumulator;
   std::uintptr_t hook_key = 0;
+  const torch::autograd::FunctionPreHook* pre_hook = nullptr;  // sharded: ours on `accumulator`
   std::size_t bucket = 0;
   std::int64_t offset = 0;        // in its bucket's flat tensor
   int owner = 0;                  // sharded: the rank that owns it (else 0, unused)

@@ -18,12 +18,14 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -32,6 +34,14 @@
 namespace stagewise::runtime::detail {
 
 struct ReducerState;
+
+// On parameter `index`'s gradient accumulator, before it adds a gradient (sharded only).
+struct ReducerPreHook final : torch::autograd::FunctionPreHook {
+  ReducerPreHook(ReducerState* s, std::size_t i) : state(s), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override;
+  ReducerState* state;
+  std::size_t index;
+};
 
 // On parameter `index`'s gradient accumulator: tells the state its gradient arrived.
 struct ReducerHook final : torch::autograd::FunctionPostHook {
@@ -69,6 +79,11 @@ struct ReducerState {
   // per parameter whether any pass of the step gave it a gradient here.
   bool in_step = false;
   std::vector<char> used_any;
+  // Sharded: per owned parameter, the gradient the last reduction wrote (held weakly: a gradient
+  // reset to none lets it go), and, while the next reduction runs, that average set aside
+  // (before_gradient) to add the new one to.
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>>> installed;
+  std::vector<torch::Tensor> carried;
   AwaitWork pass_wait;  // how this pass waits for its earlier buckets (bounding those in flight)
 
   bool sharded() const { return options.shard; }
@@ -78,6 +93,31 @@ struct ReducerState {
     buckets = plan_reducer_buckets(params, options.bucket_bytes, sharded() ? group.size() : 0);
     ready.assign(params.size(), 0);
     accumulated.assign(params.size(), 0);
+    installed.assign(params.size(), std::nullopt);
+    carried.assign(params.size(), torch::Tensor());
+  }
+
+  // Sharded, before a gradient is added to parameter i's (its gradient accumulator's pre-hook): if
+  // the gradient there is still the average the last reduction wrote (not stepped and freed, nor
+  // reset to none; zeroed in place, as LibTorch 1.13's zero_grad() does, it is zeros), it is set
+  // aside, so that this rank contributes only what it accumulates from here, and the next
+  // reduction adds the new average to it: reducing twice without a step accumulates as unsharded.
+  void before_gradient(std::size_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!sharded() || params[i].owner != me()) return;
+    auto& p = params[i];
+    auto& grad = p.tensor.mutable_grad();
+    if (installed_is(i, grad)) {
+      carried[i] = grad;
+      grad.reset();
+    }
+    installed[i].reset();
+  }
+  // Whether `grad` is the very tensor the last reduction wrote as parameter i's average.
+  bool installed_is(std::size_t i, const torch::Tensor& grad) const {
+    if (!installed[i] || !grad.defined()) return false;
+    const auto held = installed[i]->lock();
+    return held && held.get() == grad.unsafeGetTensorImpl();
   }
 
   void hook_all() {
@@ -88,9 +128,30 @@ struct ReducerState {
     auto node = torch::autograd::impl::grad_accumulator(p.tensor);
     TORCH_CHECK(node, options.who, ": ", p.name, " no longer requires grad");
     if (node == p.accumulator) return;
-    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
-    p.hook_key = node->add_post_hook(std::make_unique<ReducerHook>(this, i));
+    unhook(p);
+    // Driven by launch() (a pipe's stage, reduced once a step), only the pre-hook: backward there
+    // is not this reducer's to follow.
+    if (options.from_backward || options.reduce_each_pass) {
+      p.hook_key = node->add_post_hook(std::make_unique<ReducerHook>(this, i));
+    }
+    if (sharded()) {
+      auto pre = std::make_unique<ReducerPreHook>(this, i);
+      p.pre_hook = pre.get();
+      node->add_pre_hook(std::move(pre));
+    }
     p.accumulator = std::move(node);
+  }
+  // Removes parameter p's hooks from its gradient accumulator.
+  static void unhook(ReducerParam& p) {
+    if (!p.accumulator) return;
+    if (p.hook_key != 0) p.accumulator->del_post_hook(p.hook_key);
+    p.hook_key = 0;
+    auto& pre = p.accumulator->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& h) { return h.get() == p.pre_hook; }),
+              pre.end());
+    p.pre_hook = nullptr;
+    p.accumulator.reset();
   }
   void unhook_all() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -105,10 +166,7 @@ struct ReducerState {
       for (const auto& w : b.shard.works) quietly(w, "");
     }
     gather.wait(quietly);
-    for (auto& p : params) {
-      if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
-      p.accumulator.reset();
-    }
+    for (auto& p : params) unhook(p);
   }
 
   // At the start of a marked backward (its first node), on the thread running it.
@@ -395,10 +453,23 @@ struct ReducerState {
         grad.reset();
         continue;
       }
-      if (u[i] == 0) continue;
+      // The last reduction's average, not stepped since: set aside when this rank's first
+      // gradient arrived, or (no gradient here this time) still in place.
+      auto before = std::move(carried[i]);
+      carried[i] = torch::Tensor();
+      if (!before.defined() && installed_is(i, grad)) before = grad;
+      if (u[i] == 0) {  // no rank used it: it keeps its gradient
+        if (before.defined()) grad = before;
+        continue;
+      }
       const auto place = mine.narrow(0, p.shard_offset, p.tensor.numel()).view(p.tensor.sizes());
-      grad = torch::empty({0}, mine.options());
-      grad.set_(mine.storage(), place.storage_offset(), place.sizes(), place.strides());
+      if (before.defined()) {
+        grad = before.add_(place);
+      } else {
+        grad = torch::empty({0}, mine.options());
+        grad.set_(mine.storage(), place.storage_offset(), place.sizes(), place.strides());
+      }
+      installed[i] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad.getIntrusivePtr());
     }
     b.shard.mine = torch::Tensor();
   }
@@ -414,6 +485,12 @@ struct ReducerState {
     }
   }
 };
+
+inline torch::autograd::variable_list ReducerPreHook::operator()(
+    const torch::autograd::variable_list& grads) {
+  state->before_gradient(index);
+  return grads;
+}
 
 inline torch::autograd::variable_list ReducerHook::operator()(
     const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
