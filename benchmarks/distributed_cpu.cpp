@@ -328,21 +328,23 @@ ZeroFigures sharded_section(sw::bench::zero::Job& pipe, sw::bench::zero::Job& dp
       bench::print_figure(std::string(zero::kNames[v]) + ": / unsharded",
                           bench::summarize(ratio[static_cast<std::size_t>(v)]), "x");
     }
-    std::printf("  %-52s %10s %10s  %s\n", "bytes per parameter at the step's peak",
-                "32 layers", "8 layers", "in theory: params+grads(+buckets)+Adam");
+    std::printf("  %-52s %10s %10s  %s\n", "bytes per parameter at the step's peak", "32 layers",
+                "8 layers", "in theory: params+grads(+buckets)+Adam");
     for (int v = 0; v < variants; ++v) {
       std::printf("  %-52s %10.2f %10.2f  %s\n", zero::kNames[v],
                   bytes[static_cast<std::size_t>(v)], bytes8[static_cast<std::size_t>(v)],
                   formula[v]);
     }
   };
-  table("sharded state, 2 stages x 2 replicas (4 ranks), [Linear(512,512), ReLU] layers, Adam, "
-        "1F1B, 1 MiB buckets; times: 8 layers per stage, 64 rows per replica, chunks 8; bytes: 32 "
-        "and 8 layers per stage, 2 micro-batches of 1 row",
-        zero::kVariants, pipe_us, pipe_ratio, pipe_bytes, pipe_bytes8, theory);
-  table("sharded state, DataParallel on 2 ranks: the same layers (both stages), Adam, 1 MiB "
-        "buckets; times: 16 layers, 64 rows per rank; bytes: 64 and 16 layers, 1 row per rank",
-        zero::kDataParallelVariants, dp_us, dp_ratio, dp_bytes, dp_bytes8, dp_theory);
+  table(
+      "sharded state, 2 stages x 2 replicas (4 ranks), [Linear(512,512), ReLU] layers, Adam, "
+      "1F1B, 1 MiB buckets; times: 8 layers per stage, 64 rows per replica, chunks 8; bytes: 32 "
+      "and 8 layers per stage, 2 micro-batches of 1 row",
+      zero::kVariants, pipe_us, pipe_ratio, pipe_bytes, pipe_bytes8, theory);
+  table(
+      "sharded state, DataParallel on 2 ranks: the same layers (both stages), Adam, 1 MiB "
+      "buckets; times: 16 layers, 64 rows per rank; bytes: 64 and 16 layers, 1 row per rank",
+      zero::kDataParallelVariants, dp_us, dp_ratio, dp_bytes, dp_bytes8, dp_theory);
   std::printf("# reduce-scattering a 4 MiB bucket over 2 ranks (2 owner slices), alone\n");
   const char* ways[4] = {"reduce (one per owner, in place; default)", "all_to_all (owner sums)",
                          "all_reduce (then dropped)", "unsharded all-reduce"};

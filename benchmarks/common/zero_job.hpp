@@ -31,10 +31,10 @@
 
 namespace stagewise::bench::zero {
 
-constexpr int kSteps = 4;         // timed steps per variant and round (median taken)
-constexpr int kLayers = 8;        // [Linear(512,512), ReLU] per stage in the timed steps
+constexpr int kSteps = 4;          // timed steps per variant and round (median taken)
+constexpr int kLayers = 8;         // [Linear(512,512), ReLU] per stage in the timed steps
 constexpr int kMemoryLayers = 32;  // and in the measured ones (one layer: 1/32 of the stage)
-constexpr int kRows = 128;        // the global batch
+constexpr int kRows = 128;         // the global batch
 constexpr int kChunks = 8;
 
 /// The variants, in the order the tables print them.
@@ -284,7 +284,9 @@ class Job {
     send(layers == kMemoryLayers ? 'M' : 'm', v);
     double most = 0;
     const auto answers = read_doubles(static_cast<std::size_t>(2 * world_));
-    for (int r = 0; r < world_; ++r) most = std::max(most, answers[static_cast<std::size_t>(2 * r + 1)]);
+    for (int r = 0; r < world_; ++r) {
+      most = std::max(most, answers[static_cast<std::size_t>(2 * r + 1)]);
+    }
     return most;
   }
   /// Sends every rank 'q' and reaps them; the number that did not exit cleanly.

@@ -226,8 +226,9 @@ Probe probe(const std::string& option, Kind kind) {
   } else if (option == "shard_optimizer_state" || option == "reduce_scatter") {
     p.dist.shard_optimizer_state(true);
     if (option == "reduce_scatter") p.dist.reduce_scatter(sw::runtime::ReduceScatter::all_to_all);
-    p.refusal = "Options().shard_optimizer_state(true) shards each stage's optimizer state over "
-                "its data-parallel replicas, but the pipe has one (data_parallel(1))";
+    p.refusal =
+        "Options().shard_optimizer_state(true) shards each stage's optimizer state over "
+        "its data-parallel replicas, but the pipe has one (data_parallel(1))";
     p.check = [](const Observed& o) { return count_is(o, 'B', [](int) { return 4; }); };
   }
   return p;

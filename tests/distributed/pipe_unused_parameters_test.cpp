@@ -72,13 +72,12 @@ void train(int rank, bool unused, bool shard = false) {
   const auto want = (loss0 + loss1) / 2;
   want.backward();
 
-  sw::distributed::Pipe pipe(
-      c, model(), sw::balance{2, 2}, sw::PipeOptions().chunks(2),
-      sw::distributed::Options()
-          .data_parallel(2)
-          .unused_parameters(unused)
-          .shard_optimizer_state(shard)
-          .timeout(20s));
+  sw::distributed::Pipe pipe(c, model(), sw::balance{2, 2}, sw::PipeOptions().chunks(2),
+                             sw::distributed::Options()
+                                 .data_parallel(2)
+                                 .unused_parameters(unused)
+                                 .shard_optimizer_state(shard)
+                                 .timeout(20s));
   gate_open() = pipe->replica() == 0;
   const auto loss =
       pipe->train_step(pipe->shard(x), pipe->shard(y), mse, sw::schedule::one_f_one_b{});

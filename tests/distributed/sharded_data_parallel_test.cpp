@@ -124,7 +124,9 @@ sw::optim::FusedStep fused_optimizer(const std::string& kind, Heads& m) {
 // the one-process reference.
 struct Forward {
   std::function<torch::Tensor(const torch::Tensor&, bool)> forward;
-  std::function<torch::Tensor(const torch::Tensor&)> mark = [](const torch::Tensor& t) { return t; };
+  std::function<torch::Tensor(const torch::Tensor&)> mark = [](const torch::Tensor& t) {
+    return t;
+  };
 };
 
 // The loss of rows x, y at step s on rank r (of `world`); with the scaler's inf in b.bias's
@@ -151,8 +153,7 @@ void step(sw::distributed::DataParallel<Heads>& dp, Heads& m, const Run& run, in
     if (run.accumulate || run.twice) {
       const auto half = x.size(0) / 2;
       auto first = [&] {
-        scaled(loss_of(f, m, run, x.narrow(0, 0, half), y.narrow(0, 0, half), s, rank, world) /
-               2)
+        scaled(loss_of(f, m, run, x.narrow(0, 0, half), y.narrow(0, 0, half), s, rank, world) / 2)
             .backward();
       };
       if (run.accumulate) {
@@ -161,8 +162,7 @@ void step(sw::distributed::DataParallel<Heads>& dp, Heads& m, const Run& run, in
       } else {
         first();  // reduced: the second adds to the owners' averages
       }
-      scaled(loss_of(f, m, run, x.narrow(0, half, half), y.narrow(0, half, half), s, rank,
-                     world) /
+      scaled(loss_of(f, m, run, x.narrow(0, half, half), y.narrow(0, half, half), s, rank, world) /
              2)
           .backward();
     } else {
@@ -217,9 +217,9 @@ Heads reference(const Run& run, int world) {
       torch::Tensor part;
       if (run.accumulate || run.twice) {
         const auto half = rows / 2;
-        part = loss_of(f, m, run, x.narrow(0, 0, half), y.narrow(0, 0, half), s, r, world) / 2 +
-               loss_of(f, m, run, x.narrow(0, half, half), y.narrow(0, half, half), s, r, world) /
-                   2;
+        part =
+            loss_of(f, m, run, x.narrow(0, 0, half), y.narrow(0, 0, half), s, r, world) / 2 +
+            loss_of(f, m, run, x.narrow(0, half, half), y.narrow(0, half, half), s, r, world) / 2;
       } else {
         part = loss_of(f, m, run, x, y, s, r, world);
       }
@@ -322,11 +322,14 @@ TEST_SUITE("sharded data parallel") {
     runs.push_back({.name = "adam, clipped", .clip = 0.05});
     runs.push_back({.name = "fused sgd, clipped", .kind = "sgd", .fused = true, .clip = 0.05});
     runs.push_back({.name = "adam, scaler", .scaler = true});
-    runs.push_back({.name = "fused adam, scaler, clipped", .fused = true, .clip = 0.05,
-                    .scaler = true});
+    runs.push_back(
+        {.name = "fused adam, scaler, clipped", .fused = true, .clip = 0.05, .scaler = true});
     runs.push_back({.name = "adam, head b unused on odd steps", .pattern = "odd_steps_off"});
-    runs.push_back({.name = "fused sgd, head b on rank 0 only on odd steps", .kind = "sgd",
-                    .fused = true, .pattern = "rank0_only_on_odd", .unused = true});
+    runs.push_back({.name = "fused sgd, head b on rank 0 only on odd steps",
+                    .kind = "sgd",
+                    .fused = true,
+                    .pattern = "rank0_only_on_odd",
+                    .unused = true});
     for (const int world : {2, 3}) {
       CAPTURE(world);
       const auto r = run_ranks(
@@ -356,8 +359,10 @@ TEST_SUITE("sharded data parallel") {
               most_one = std::max(most_one, to_one);
             }
             char worst[128];
-            std::snprintf(worst, sizeof worst, "| largest relative difference %.3g to unsharded, "
-                          "%.3g to one process", most_unsharded, most_one);
+            std::snprintf(worst, sizeof worst,
+                          "| largest relative difference %.3g to unsharded, "
+                          "%.3g to one process",
+                          most_unsharded, most_one);
             report(out.str() + worst);
           },
           120s);
@@ -389,13 +394,12 @@ TEST_SUITE("sharded data parallel") {
           const auto params = m->named_parameters();
           for (std::size_t i = 0; i < params.size(); ++i) {
             const bool mine = owners[i] == rank;
-            const bool listed =
-                std::any_of(adam.param_groups()[0].params().begin(),
-                            adam.param_groups()[0].params().end(),
-                            [&](const torch::Tensor& p) { return p.is_same(params[i].value()); });
+            const bool listed = std::any_of(
+                adam.param_groups()[0].params().begin(), adam.param_groups()[0].params().end(),
+                [&](const torch::Tensor& p) { return p.is_same(params[i].value()); });
             if (mine != listed || mine != params[i].value().grad().defined()) {
-              out << params[i].key() << " owner " << owners[i] << " listed " << listed
-                  << " grad " << params[i].value().grad().defined() << "; ";
+              out << params[i].key() << " owner " << owners[i] << " listed " << listed << " grad "
+                  << params[i].value().grad().defined() << "; ";
             }
           }
           adam.step();
@@ -415,8 +419,8 @@ TEST_SUITE("sharded data parallel") {
 
   TEST_CASE("a sharded optimizer saves its shard and resumes bit for bit; bad saves are named") {
     const char* tmp = std::getenv("TEST_TMPDIR");
-    const auto dir = std::filesystem::path(tmp ? tmp : "/tmp") /
-                     ("stagewise_zdp_" + std::to_string(::getpid()));
+    const auto dir =
+        std::filesystem::path(tmp ? tmp : "/tmp") / ("stagewise_zdp_" + std::to_string(::getpid()));
     std::filesystem::create_directories(dir);
     const auto r = run_ranks(
         2,
@@ -452,8 +456,8 @@ TEST_SUITE("sharded data parallel") {
           torch::optim::Adam small(lin->parameters(), torch::optim::AdamOptions(1e-2));
           torch::save(small, (dir / ("small" + std::to_string(rank) + ".pt")).string());
           out += "\n" + error_of([&] {
-            torch::load(adam, (dir / ("small" + std::to_string(rank) + ".pt")).string());
-          });
+                   torch::load(adam, (dir / ("small" + std::to_string(rank) + ".pt")).string());
+                 });
           // An unsharded Adam over every parameter loads a shard's save: the owned state.
           torch::optim::Adam whole(m->parameters(), torch::optim::AdamOptions(1e-2));
           torch::load(whole, mine);
@@ -484,14 +488,15 @@ TEST_SUITE("sharded data parallel") {
     CHECK(contains(r[1].text, "\nunsharded 4 of 4"));
   }
 
-  TEST_CASE("ranks that shard differently, and a sharded optimizer over unsharded state, are named") {
+  TEST_CASE(
+      "ranks that shard differently, and a sharded optimizer over unsharded state, are named") {
     auto r = run_ranks(
         2,
         [](int rank) {
           auto m = zdp::model(1);
-          sw::distributed::DataParallel dp(m, sw::distributed::DataParallelOptions()
-                                                  .timeout(10s)
-                                                  .shard_optimizer_state(rank == 0));
+          sw::distributed::DataParallel dp(
+              m,
+              sw::distributed::DataParallelOptions().timeout(10s).shard_optimizer_state(rank == 0));
         },
         60s);
     const std::string text =

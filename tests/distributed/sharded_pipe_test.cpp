@@ -111,7 +111,7 @@ struct Config {
 };
 
 std::unique_ptr<torch::optim::Optimizer> unsharded_opt(const std::string& kind,
-                                               std::vector<torch::Tensor> params) {
+                                                       std::vector<torch::Tensor> params) {
   if (kind == "adam") {
     return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(1e-2));
   }
@@ -130,7 +130,7 @@ std::unique_ptr<torch::optim::Optimizer> sharded(const std::string& kind,
 }
 
 std::unique_ptr<sw::optim::FusedStep> fused_of(const std::string& kind,
-                                              sw::distributed::Pipe& pipe) {
+                                               sw::distributed::Pipe& pipe) {
   if (kind == "adam") {
     return std::make_unique<sw::optim::FusedStep>(pipe->named_parameters(),
                                                   torch::optim::AdamOptions(1e-2));
@@ -308,8 +308,10 @@ void compare(const sw::runtime::Connection& c, const Config& cfg, const Schedule
           "the loss of step " + std::to_string(step) + " differs from the unsharded pipe's");
     const torch::Tensor& r = ref_losses[static_cast<std::size_t>(step)];
     const double diff = (l - r).abs().item<double>() / std::max(r.abs().item<double>(), 1e-6);
-    check(diff <= 1e-5, "the loss of step " + std::to_string(step) + " differs from one "
-                        "process's by " + std::to_string(diff));
+    check(diff <= 1e-5, "the loss of step " + std::to_string(step) +
+                            " differs from one "
+                            "process's by " +
+                            std::to_string(diff));
   }
   check(sharded.state <= sharded.owned, "state for " + std::to_string(sharded.state) +
                                             " parameters, " + std::to_string(sharded.owned) +
@@ -352,26 +354,35 @@ TEST_SUITE("distributed pipe x data parallel, sharded state") {
           zpipe::compare(c, Cfg{.name = "il-adam", .virtual_stages = 2, .kind = "adam"},
                          sched::interleaved_one_f_one_b{2});
           zpipe::compare(c, Cfg{.name = "fused-1f1b-sgd", .fused = true}, sched::one_f_one_b{});
-          zpipe::compare(c, Cfg{.name = "fused-zb-adam", .mode = never, .kind = "adam",
-                                .fused = true},
+          zpipe::compare(c,
+                         Cfg{.name = "fused-zb-adam", .mode = never, .kind = "adam", .fused = true},
                          sched::zero_bubble_h1{});
           zpipe::compare(c, Cfg{.name = "fused-il-sgd", .virtual_stages = 2, .fused = true},
                          sched::interleaved_one_f_one_b{2});
-          zpipe::compare(c, Cfg{.name = "fused-clip-adam", .kind = "adam", .fused = true,
-                                .clip = 0.05},
-                         sched::one_f_one_b{});
+          zpipe::compare(
+              c, Cfg{.name = "fused-clip-adam", .kind = "adam", .fused = true, .clip = 0.05},
+              sched::one_f_one_b{});
           zpipe::compare(c, Cfg{.name = "clip-sgd", .clip = 0.05}, sched::zero_bubble_h1{});
-          zpipe::compare(c, Cfg{.name = "scaler-adam", .mode = never, .kind = "adam",
-                                .scaler = true},
+          zpipe::compare(c,
+                         Cfg{.name = "scaler-adam", .mode = never, .kind = "adam", .scaler = true},
                          sched::one_f_one_b{});
-          zpipe::compare(c, Cfg{.name = "fused-scaler-clip-adam", .mode = never, .kind = "adam",
-                                .fused = true, .clip = 0.05, .scaler = true},
+          zpipe::compare(c,
+                         Cfg{.name = "fused-scaler-clip-adam",
+                             .mode = never,
+                             .kind = "adam",
+                             .fused = true,
+                             .clip = 0.05,
+                             .scaler = true},
                          sched::gpipe{});
-          zpipe::compare(c, Cfg{.name = "all-to-all-adam", .kind = "adam",
-                                .how = sw::runtime::ReduceScatter::all_to_all},
+          zpipe::compare(c,
+                         Cfg{.name = "all-to-all-adam",
+                             .kind = "adam",
+                             .how = sw::runtime::ReduceScatter::all_to_all},
                          sched::one_f_one_b{});
-          zpipe::compare(c, Cfg{.name = "all-reduce-fused-sgd", .fused = true,
-                                .how = sw::runtime::ReduceScatter::all_reduce},
+          zpipe::compare(c,
+                         Cfg{.name = "all-reduce-fused-sgd",
+                             .fused = true,
+                             .how = sw::runtime::ReduceScatter::all_reduce},
                          sched::one_f_one_b{});
           zpipe::compare(c, Cfg{.name = "zero2-1f1b-adam", .kind = "adam", .each_pass = true},
                          sched::one_f_one_b{});
@@ -379,18 +390,31 @@ TEST_SUITE("distributed pipe x data parallel, sharded state") {
                          sched::one_f_one_b{});
           zpipe::compare(c, Cfg{.name = "zero2-twice-gpipe-sgd", .each_pass = true, .twice = true},
                          sched::gpipe{});
-          zpipe::compare(c, Cfg{.name = "zero2-fused-zb-sgd", .mode = never, .fused = true,
-                                .each_pass = true},
-                         sched::zero_bubble_h1{});
-          zpipe::compare(c, Cfg{.name = "zero2-fused-il-adam", .virtual_stages = 2,
-                                .mode = always, .kind = "adam", .fused = true, .each_pass = true},
+          zpipe::compare(
+              c, Cfg{.name = "zero2-fused-zb-sgd", .mode = never, .fused = true, .each_pass = true},
+              sched::zero_bubble_h1{});
+          zpipe::compare(c,
+                         Cfg{.name = "zero2-fused-il-adam",
+                             .virtual_stages = 2,
+                             .mode = always,
+                             .kind = "adam",
+                             .fused = true,
+                             .each_pass = true},
                          sched::interleaved_one_f_one_b{2});
-          zpipe::compare(c, Cfg{.name = "zero2-fused-scaler-clip-adam", .mode = never,
-                                .kind = "adam", .fused = true, .clip = 0.05, .scaler = true,
-                                .each_pass = true},
+          zpipe::compare(c,
+                         Cfg{.name = "zero2-fused-scaler-clip-adam",
+                             .mode = never,
+                             .kind = "adam",
+                             .fused = true,
+                             .clip = 0.05,
+                             .scaler = true,
+                             .each_pass = true},
                          sched::one_f_one_b{});
-          zpipe::compare(c, Cfg{.name = "zero2-all-to-all-sgd", .kind = "sgd",
-                                .how = sw::runtime::ReduceScatter::all_to_all, .each_pass = true},
+          zpipe::compare(c,
+                         Cfg{.name = "zero2-all-to-all-sgd",
+                             .kind = "sgd",
+                             .how = sw::runtime::ReduceScatter::all_to_all,
+                             .each_pass = true},
                          sched::gpipe{});
           std::printf("rank %d: largest relative difference to one process %.3g\n", rank,
                       zpipe::largest());

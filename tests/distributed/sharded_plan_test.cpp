@@ -41,7 +41,9 @@ torch::nn::Sequential model() {
   return m;
 }
 
-torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }
+torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::mse_loss(a, b);
+}
 
 // 0 unsharded, 1 sharded state, 2 sharded state and gradients.
 sw::PlanOptions plan_options(int sharding) {
@@ -84,9 +86,9 @@ TEST_SUITE("distributed::Pipe(model, plan) with sharded state") {
           double last = 0;
           for (int sharding = 0; sharding < 3; ++sharding) {
             // Every rank plans alone for its replica's 4 rows.
-            const auto plan = sw::plan_pipeline(zplan::model(), sw::Batch(x.narrow(0, 0, 4)),
-                                                y.narrow(0, 0, 4), zplan::mse,
-                                                zplan::plan_options(sharding));
+            const auto plan =
+                sw::plan_pipeline(zplan::model(), sw::Batch(x.narrow(0, 0, 4)), y.narrow(0, 0, 4),
+                                  zplan::mse, zplan::plan_options(sharding));
             const double predicted =
                 plan.memory[static_cast<std::size_t>(rank % 2)].peak;  // this rank's worker's
             const auto before = meter.current();
@@ -116,9 +118,9 @@ TEST_SUITE("distributed::Pipe(model, plan) with sharded state") {
             last = predicted;
           }
           // Built otherwise than planned.
-          const auto plan = sw::plan_pipeline(zplan::model(), sw::Batch(x.narrow(0, 0, 4)),
-                                              y.narrow(0, 0, 4), zplan::mse,
-                                              zplan::plan_options(2));
+          const auto plan =
+              sw::plan_pipeline(zplan::model(), sw::Batch(x.narrow(0, 0, 4)), y.narrow(0, 0, 4),
+                                zplan::mse, zplan::plan_options(2));
           out += error_of([&] {
             sw::distributed::Pipe(c, zplan::model(), plan,
                                   sw::distributed::Options().data_parallel(2).transport(

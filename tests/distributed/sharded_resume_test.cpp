@@ -113,11 +113,12 @@ struct Job {
   bool exact = false;  // report every value (else a digest)
 
   void run(int rank) const {
-    sw::distributed::Pipe pipe(
-        model(resume.empty() ? 1 : 2, dropout), sw::balance{3, 4},
-        sw::PipeOptions().chunks(2).checkpoint("except_last"),
-        sw::distributed::Options().data_parallel(replicas).shard_optimizer_state(replicas > 1).timeout(
-            10s));
+    sw::distributed::Pipe pipe(model(resume.empty() ? 1 : 2, dropout), sw::balance{3, 4},
+                               sw::PipeOptions().chunks(2).checkpoint("except_last"),
+                               sw::distributed::Options()
+                                   .data_parallel(replicas)
+                                   .shard_optimizer_state(replicas > 1)
+                                   .timeout(10s));
     std::unique_ptr<torch::optim::Optimizer> adam;
     std::unique_ptr<sw::optim::FusedStep> fused_step;
     if (fused) {
@@ -127,8 +128,8 @@ struct Job {
       adam = std::make_unique<sw::distributed::Sharded<torch::optim::Adam>>(
           pipe, torch::optim::AdamOptions(1e-2));
     } else {
-      adam = std::make_unique<torch::optim::Adam>(pipe->parameters(),
-                                                  torch::optim::AdamOptions(1e-2));
+      adam =
+          std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-2));
     }
     torch::manual_seed(99);
     std::vector<torch::Tensor> x, y;
@@ -235,10 +236,7 @@ TEST_SUITE("distributed pipe x data parallel, sharded saves") {
     // The 2-replica job, uninterrupted, saving every step; no dropout: 1, 2 and 3 replicas then
     // compute the same step but for the order of summation.
     const auto saved = run_ranks(
-        4,
-        [&](int rank) {
-          zsave::Job{.root = root, .dropout = false, .exact = true}.run(rank);
-        },
+        4, [&](int rank) { zsave::Job{.root = root, .dropout = false, .exact = true}.run(rank); },
         120s);
     for (const auto& o : saved) REQUIRE(o.status == 0);
     // Steps 3 and 4 from step 2's save, at 1 and at 3 replicas, against the 2-replica job's end.

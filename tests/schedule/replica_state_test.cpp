@@ -36,23 +36,22 @@ TEST_SUITE("replica state") {
   }
 
   TEST_CASE("sharded state: 1/d of the optimizer state plus at most the largest tensor's share") {
-    const auto s =
-        sched::replica_state(kWhole, {.replicas = 2, .shard_optimizer_state = true,
-                                      .largest_tensor = kMiB});
-    CHECK(s.grads == 32 * kMiB);                           // whole until the reduction
+    const auto s = sched::replica_state(
+        kWhole, {.replicas = 2, .shard_optimizer_state = true, .largest_tensor = kMiB});
+    CHECK(s.grads == 32 * kMiB);  // whole until the reduction
     CHECK(s.optimizer == doctest::Approx(64 * kMiB * (0.5 + 1.0 / 32)));  // (1/2 + 1/32) of it
     // One tensor of most of the stage (an embedding): its owner holds nearly all of it.
-    const sched::StageState lopsided{.params = 32 * kMiB, .grads = 32 * kMiB,
-                                     .optimizer = 64 * kMiB, .step_working = 60 * kMiB};
-    const auto e = sched::replica_state(lopsided, {.replicas = 4, .shard_optimizer_state = true,
-                                                   .largest_tensor = 30 * kMiB});
+    const sched::StageState lopsided{
+        .params = 32 * kMiB, .grads = 32 * kMiB, .optimizer = 64 * kMiB, .step_working = 60 * kMiB};
+    const auto e = sched::replica_state(
+        lopsided, {.replicas = 4, .shard_optimizer_state = true, .largest_tensor = 30 * kMiB});
     CHECK(e.optimizer == doctest::Approx(64 * kMiB));  // min(1, 1/4 + 30/32)
   }
 
   TEST_CASE("sharded gradients: 1/d of them plus two buckets in flight and the one computed") {
     const auto s = sched::replica_state(
-        kWhole, {.replicas = 2, .shard_gradients = true, .bucket_bytes = kMiB,
-                 .largest_tensor = kMiB});
+        kWhole,
+        {.replicas = 2, .shard_gradients = true, .bucket_bytes = kMiB, .largest_tensor = kMiB});
     CHECK(s.grads == doctest::Approx(32 * kMiB * (0.5 + 1.0 / 32) + 3 * kMiB));
     CHECK(s.optimizer == doctest::Approx(64 * kMiB * (0.5 + 1.0 / 32)));
     // Buckets larger than the stage: never more than its gradients.
@@ -72,10 +71,9 @@ TEST_SUITE("replica state") {
       return std::max(w[0].peak, w[1].peak);
     };
     const auto plain = peak({.replicas = 2, .largest_tensor = kMiB});
-    const auto zero1 = peak({.replicas = 2, .shard_optimizer_state = true,
-                             .largest_tensor = kMiB});
-    const auto zero2 = peak({.replicas = 2, .shard_gradients = true, .bucket_bytes = kMiB,
-                             .largest_tensor = kMiB});
+    const auto zero1 = peak({.replicas = 2, .shard_optimizer_state = true, .largest_tensor = kMiB});
+    const auto zero2 = peak(
+        {.replicas = 2, .shard_gradients = true, .bucket_bytes = kMiB, .largest_tensor = kMiB});
     // At the end of the step (the optimizer's, its temporaries too), or in the last backward:
     // parameters 32 MiB; gradients 64 (and copies), 32, 32 x 17/32 + 3; state 64, 34, 34.
     CHECK(plain >= (32 + 64 + 64 + 2) * kMiB);

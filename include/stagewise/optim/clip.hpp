@@ -25,10 +25,10 @@ struct FusedStepAccess {
   // Sharded over data-parallel replicas: the parameters this process owns (`owned[i]` for the
   // fused step's parameter i) keep optimizer state; `norms` and `found_inf`, if given, total a
   // clip's norms and a GradScaler's checks over every replica when the caller gives none.
-  static void set_shard(optim::FusedStep& fused, std::vector<char> owned,
-                        std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>
-                            norms = {},
-                        std::function<torch::Tensor(const torch::Tensor&)> found_inf = {}) {
+  static void set_shard(
+      optim::FusedStep& fused, std::vector<char> owned,
+      std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> norms = {},
+      std::function<torch::Tensor(const torch::Tensor&)> found_inf = {}) {
     auto& st = fused.state();
     TORCH_CHECK(owned.empty() || owned.size() == st.slots.size(),
                 "stagewise::optim::FusedStep: ", owned.size(), " ownership flags for ",

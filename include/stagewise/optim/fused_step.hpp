@@ -303,8 +303,11 @@ class FusedStep {
           missing << (count++ ? ", " : "") << slot->describe();
         }
       }
-      TORCH_CHECK(count == 0, "stagewise::optim::FusedStep::load: the archive holds optimizer "
-                  "state, but none for ", missing.str(), ", which this replica owns; it was "
+      TORCH_CHECK(count == 0,
+                  "stagewise::optim::FusedStep::load: the archive holds optimizer "
+                  "state, but none for ",
+                  missing.str(),
+                  ", which this replica owns; it was "
                   "saved by another replica or for another model. Load each replica's own "
                   "save (same model, same replica count), or an unsharded optimizer's; nothing "
                   "was loaded");

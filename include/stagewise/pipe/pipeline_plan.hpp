@@ -106,17 +106,16 @@ struct PipelinePlan {
     for (std::size_t j = 0; j < split.size(); ++j) out << (j ? " " : "") << split[j];
     const auto rows = batch_rows / std::max<std::int64_t>(micro_batches, 1);
     out << " layers), " << micro_batches << " micro-batches of " << rows
-        << (rows == 1 ? " row, " : " rows, ") << (fused_step ? "fused" : "unfused") << " " << optimizer
-        << " step";
+        << (rows == 1 ? " row, " : " rows, ") << (fused_step ? "fused" : "unfused") << " "
+        << optimizer << " step";
     if (replicas > 1) {
       out << " for each of " << replicas << " data-parallel replicas"
           << (shard_gradients         ? " (optimizer state and gradients sharded)"
               : shard_optimizer_state ? " (optimizer state sharded)"
                                       : "");
     }
-    out << "; predicted step " << std::setprecision(4) << step_seconds * 1e3
-        << " ms, peak " << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap))
-        << " per worker\n";
+    out << "; predicted step " << std::setprecision(4) << step_seconds * 1e3 << " ms, peak "
+        << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap)) << " per worker\n";
     for (std::size_t j = 0; j < checkpoints.size(); ++j) {
       out << "  stage " << j << ": checkpoint " << to_string(checkpoints[j])
           << (j < offload_stages.size() && offload_stages[j] ? ", offloads" : "") << "\n";

@@ -296,7 +296,8 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
     // time spent waiting is recorded beside it (Timeline::waiting).
     const double ready = record ? now() : 0.0;
     detail::Inputs in = detail::receive_inputs(c, a.kind);
-    if (!needed.empty() && needed[static_cast<std::size_t>(j)] && a.kind == schedule::ActionKind::forward) {
+    if (!needed.empty() && needed[static_cast<std::size_t>(j)] &&
+        a.kind == schedule::ActionKind::forward) {
       needed[static_cast<std::size_t>(j)] = 0;
       step.parameters_needed(j);  // after the input arrived: other work hides the wait
     }

@@ -136,13 +136,13 @@ inline std::vector<schedule::StageState> stage_states(const std::vector<StageCos
                                      .grads = c.param_bytes,
                                      .optimizer = o.state_per_param() * c.param_bytes,
                                      .step_working = o.step_temporaries() * c.largest_param_bytes};
-    out.push_back(schedule::replica_state(
-        whole, {.replicas = o.replicas(),
-                .shard_optimizer_state = o.shard_optimizer_state(),
-                .shard_gradients = o.shard_gradients(),
-                .bucket_bytes = static_cast<double>(o.bucket_bytes()),
-                .largest_tensor = c.largest_param_bytes,
-                .owned_share = owned_share(c.tensor_bytes, o.replicas())}));
+    out.push_back(
+        schedule::replica_state(whole, {.replicas = o.replicas(),
+                                        .shard_optimizer_state = o.shard_optimizer_state(),
+                                        .shard_gradients = o.shard_gradients(),
+                                        .bucket_bytes = static_cast<double>(o.bucket_bytes()),
+                                        .largest_tensor = c.largest_param_bytes,
+                                        .owned_share = owned_share(c.tensor_bytes, o.replicas())}));
   }
   return out;
 }

@@ -178,7 +178,8 @@ class DataParallel {
     ::stagewise::detail::FusedStepAccess::set_shard(
         fused, std::move(owned),
         [norms, &fused](const std::vector<torch::Tensor>& mine) {
-          return norms(mine, 0.0, ::stagewise::detail::FusedStepAccess::state(fused).shared.norm_type);
+          return norms(mine, 0.0,
+                       ::stagewise::detail::FusedStepAccess::state(fused).shared.norm_type);
         },
         found_inf_sum());
     // Stepped buckets go to every rank at once (not after a clip's norm pass, which steps

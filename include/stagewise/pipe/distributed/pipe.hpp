@@ -1,7 +1,7 @@
 #pragma once
 
-#include "stagewise/pipe/distributed/detail/agreed_plan.hpp"
 #include "stagewise/pipe/detail/clip_norms.hpp"
+#include "stagewise/pipe/distributed/detail/agreed_plan.hpp"
 #include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
 #include "stagewise/pipe/distributed/options.hpp"
 #include "stagewise/pipe/distributed/sharded.hpp"
@@ -139,8 +139,8 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
     }
     s.send_updated = [this] { replicas_.send_updated(); };
     s.sum_found_inf = found_inf_reduction();
-    s.norms = [this, params = s.parameters](const std::vector<torch::Tensor>& mine,
-                                            double max_norm, double norm_type) {
+    s.norms = [this, params = s.parameters](const std::vector<torch::Tensor>& mine, double max_norm,
+                                            double norm_type) {
       auto gather = [this](const std::string& what, const torch::Tensor& values) {
         return runtime::gather_values(*transport_, who_ + "::" + what, values);
       };
@@ -348,13 +348,16 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
       if (state) return s + ".shard_optimizer_state(true)";
       return s;
     };
-    const auto planned =
-        describe(plan.replicas, plan.shard_optimizer_state, plan.shard_gradients);
-    const auto built = describe(dist.data_parallel(), dist.shard_optimizer_state(),
-                                dist.shard_gradients());
-    TORCH_CHECK(planned == built, "stagewise::distributed::Pipe: the plan counts each worker's "
-                "memory for ", planned, " (PlanOptions().replicas and sharding) but the pipe is "
-                "built with ", built, "; build it with distributed::Options().", planned,
+    const auto planned = describe(plan.replicas, plan.shard_optimizer_state, plan.shard_gradients);
+    const auto built =
+        describe(dist.data_parallel(), dist.shard_optimizer_state(), dist.shard_gradients());
+    TORCH_CHECK(planned == built,
+                "stagewise::distributed::Pipe: the plan counts each worker's "
+                "memory for ",
+                planned,
+                " (PlanOptions().replicas and sharding) but the pipe is "
+                "built with ",
+                built, "; build it with distributed::Options().", planned,
                 ", or plan for the pipe you build");
     return plan;
   }

@@ -44,8 +44,8 @@ struct ShardedParameters {
   /// Given this rank's gradient norms of `parameters` (`mine[i]`, undefined where it has no
   /// gradient or does not own it), every norm of the whole model in its order, every rank's
   /// alike; with the clip's max_norm and norm_type, which every rank must pass the same.
-  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& mine,
-                                           double max_norm, double norm_type)>
+  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& mine, double max_norm,
+                                           double norm_type)>
       norms;
 };
 
@@ -84,11 +84,11 @@ class Sharded : public Optimizer, public optim::JobWideChecks {
   }
   /// Over a `DataParallel`'s or a 2-D pipe's shard (anything with `sharded_parameters()`).
   template <class Source, class Options>
-    requires requires(Source& s) { s.sharded_parameters(); }
+  requires requires(Source& s) { s.sharded_parameters(); }
   Sharded(Source& source, Options options) : Sharded(source.sharded_parameters(), options) {}
   /// Over a pipe holder (`distributed::Pipe`): `pipe->sharded_parameters()`.
   template <class Source, class Options>
-    requires requires(Source& s) { s->sharded_parameters(); }
+  requires requires(Source& s) { s->sharded_parameters(); }
   Sharded(Source& source, Options options) : Sharded(source->sharded_parameters(), options) {}
 
   /// Steps the owned parameters (those with a gradient), then sends their new values to every
@@ -159,8 +159,8 @@ class Sharded : public Optimizer, public optim::JobWideChecks {
 
  private:
   static std::vector<torch::Tensor> owned_of(const ShardedParameters& s) {
-    TORCH_CHECK(s.parameters.size() == s.owned.size() && s.names.size() == s.owned.size(),
-                s.who, ": the sharded parameters are inconsistent");
+    TORCH_CHECK(s.parameters.size() == s.owned.size() && s.names.size() == s.owned.size(), s.who,
+                ": the sharded parameters are inconsistent");
     std::vector<torch::Tensor> out;
     for (std::size_t i = 0; i < s.parameters.size(); ++i) {
       if (s.owned[i]) out.push_back(s.parameters[i]);

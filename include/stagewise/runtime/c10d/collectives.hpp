@@ -27,15 +27,15 @@ concept collective_group = requires(G& g, std::vector<at::Tensor>& t,
                                     std::vector<std::int64_t>& counts,
                                     const c10d::AllreduceOptions& a,
                                     const c10d::BroadcastOptions& b,
-                                    const c10d::AllgatherOptions& ag,
-                                    const c10d::ReduceOptions& r,
+                                    const c10d::AllgatherOptions& ag, const c10d::ReduceOptions& r,
                                     const c10d::AllToAllOptions& aa) {
   { g.allreduce(t, a) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.broadcast(t, b) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.allgather(out, t, ag) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.reduce(t, r) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
-  { g.alltoall_base(one, one, counts, counts, aa) }
-      -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
+  {
+    g.alltoall_base(one, one, counts, counts, aa)
+    } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.getRank() } -> std::convertible_to<int>;
   { g.getSize() } -> std::convertible_to<int>;
 };

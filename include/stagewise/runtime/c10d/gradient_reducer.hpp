@@ -119,8 +119,9 @@ class GradientReducer {
   /// waits (through `wait`, if given) for the previous pass's. Every rank of the group runs the
   /// same passes in the same order.
   void begin_pass(const detail::AwaitWork& wait = {}) {
-    state_->begin_pass(wait ? wait : [](const c10::intrusive_ptr<c10d::Work>& w,
-                                        const std::string&) { w->wait(); });
+    state_->begin_pass(
+        wait ? wait
+             : [](const c10::intrusive_ptr<c10d::Work>& w, const std::string&) { w->wait(); });
   }
   void end_pass() { state_->end_pass(); }
   /// Hooks again the parameters whose gradient accumulators changed (a parameter given other
@@ -186,14 +187,17 @@ class GradientReducer {
     std::lock_guard<std::mutex> lock(state_->mutex);
     TORCH_CHECK(sharded(), state_->options.who,
                 ": gather_parameters() is for sharded parameters (ReducerOptions::shard)");
-    for (const auto& b : state_->buckets) state_->gather_bucket(b);
+    for (const auto& b : state_->buckets) {
+      detail::gather_bucket(state_->gather, state_->group, b, state_->params);
+    }
   }
   /// Waits for what `gather_parameters` (or a fused step's gathering) sent, through `wait` if
   /// given (else work->wait()), and writes the received values into the parameters.
   void wait_parameters(const detail::AwaitWork& wait = {}) {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->gather.wait(wait ? wait : [](const c10::intrusive_ptr<c10d::Work>& w,
-                                         const std::string&) { w->wait(); });
+    state_->gather.wait(
+        wait ? wait
+             : [](const c10::intrusive_ptr<c10d::Work>& w, const std::string&) { w->wait(); });
   }
   /// How the parameters are sharded, as ranks compare it (`check_same_sharding`): "not sharded",
   /// or the group's size, the reduce-scatter and every parameter's owner.
@@ -201,8 +205,8 @@ class GradientReducer {
     const auto& s = *state_;
     if (!s.options.shard) return "not sharded";
     static const char* how[] = {"reduce", "all_to_all", "all_reduce"};
-    std::string out = "sharded over " + std::to_string(s.group.size()) +
-                      " ranks, reduce_scatter " + how[static_cast<int>(s.options.reduce_scatter)] +
+    std::string out = "sharded over " + std::to_string(s.group.size()) + " ranks, reduce_scatter " +
+                      how[static_cast<int>(s.options.reduce_scatter)] +
                       (s.options.reduce_each_pass ? ", every pass" : "") + ", owners";
     for (const auto& p : s.params) out += " " + std::to_string(p.owner);
     return out;

@@ -81,8 +81,8 @@ inline void check_same_model(const Connection& c, const std::vector<std::string>
 inline void check_same_sharding(const Connection& c, const std::string& sharding,
                                 const std::string& key, std::chrono::milliseconds timeout,
                                 const std::string& who, const std::string& fix) {
-  const auto all = gather_text(c, key, sharding, timeout,
-                               "the sharding check (every rank must construct it)");
+  const auto all =
+      gather_text(c, key, sharding, timeout, "the sharding check (every rank must construct it)");
   for (std::size_t r = 1; r < all.size(); ++r) {
     TORCH_CHECK(all[r] == all[0], who, ": ranks 0 and ", r,
                 " shard the optimizer state differently: rank 0 {", all[0], "}, rank ", r, " {",

@@ -10,8 +10,8 @@
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/pipe/replicas.hpp"
 #include "stagewise/runtime/c10d/collectives.hpp"
-#include "stagewise/runtime/c10d/gradient_reducer.hpp"
 #include "stagewise/runtime/c10d/gather_text.hpp"
+#include "stagewise/runtime/c10d/gradient_reducer.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/transport.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"
@@ -138,7 +138,9 @@ class ReplicaGradients {
       }
       std::function<bool()> then_gather;
       if (reducer->sharded()) {
-        then_gather = [fused] { return !::stagewise::detail::FusedStepAccess::in_norm_pass(*fused); };
+        then_gather = [fused] {
+          return !::stagewise::detail::FusedStepAccess::in_norm_pass(*fused);
+        };
       }
       reducer->set_after_reduce(
           [fused, slot = std::move(slot)](std::size_t i) { fused->step_parameter(slot[i]); },
@@ -234,7 +236,8 @@ class ReplicaGradients {
   void check_sharding(const std::string& key, std::chrono::milliseconds timeout) const {
     std::string mine;
     for (std::size_t j = 0; j < reducers_.size(); ++j) {
-      if (reducers_[j]) mine += "stage " + std::to_string(j) + ": " + reducers_[j]->sharding() + "; ";
+      if (reducers_[j])
+        mine += "stage " + std::to_string(j) + ": " + reducers_[j]->sharding() + "; ";
     }
     const auto& c = *column_;
     const auto all = runtime::gather_text(c, key, mine, timeout,

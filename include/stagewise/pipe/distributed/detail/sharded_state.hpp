@@ -63,8 +63,8 @@ struct LoadedShard {
 // owned parameter. `who` opens errors.
 inline LoadedShard load_shard(torch::serialize::InputArchive& archive, const OptimizerOver& make,
                               const std::vector<torch::Tensor>& params,
-                              const std::vector<std::string>& names,
-                              const std::vector<char>& owned, const std::string& who) {
+                              const std::vector<std::string>& names, const std::vector<char>& owned,
+                              const std::string& who) {
   std::vector<std::string> saved;
   c10::IValue v;
   if (archive.try_read(kParameterNames, v)) {
@@ -99,16 +99,20 @@ inline LoadedShard load_shard(torch::serialize::InputArchive& archive, const Opt
   auto& states = out.whole->state();
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (!owned[i]) continue;
-    auto it = place[i] < 0 ? states.end()
-                           : states.find(optimizer_state_key(slots[static_cast<std::size_t>(place[i])]));
+    auto it = place[i] < 0
+                  ? states.end()
+                  : states.find(optimizer_state_key(slots[static_cast<std::size_t>(place[i])]));
     if (it == states.end()) {
       missing << (count++ ? ", " : "") << "'" << names[i] << "'";
       continue;
     }
     out.state[i] = std::move(it->second);
   }
-  TORCH_CHECK(count == 0 || states.empty(), who, ": the archive holds optimizer state, but none "
-              "for ", missing.str(), ", which this replica owns: it was saved by another replica "
+  TORCH_CHECK(count == 0 || states.empty(), who,
+              ": the archive holds optimizer state, but none "
+              "for ",
+              missing.str(),
+              ", which this replica owns: it was saved by another replica "
               "or for another model. Load each replica's own save (same model and replica count), "
               "or an unsharded optimizer's; nothing was loaded");
   return out;

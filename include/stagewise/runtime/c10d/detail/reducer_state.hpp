@@ -8,6 +8,7 @@
 
 #include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/detail/reducer_bucket.hpp"
+#include "stagewise/runtime/c10d/detail/reducer_writes.hpp"
 #include "stagewise/runtime/c10d/detail/shard_reduction.hpp"
 #include "stagewise/runtime/c10d/reducer_options.hpp"
 
@@ -82,7 +83,7 @@ struct ReducerState {
   // Sharded: per owned parameter, the gradient the last reduction wrote (held weakly: a gradient
   // reset to none lets it go), and, while the next reduction runs, that average set aside
   // (before_gradient) to add the new one to.
-  std::vector<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>>> installed;
+  std::vector<InstalledGrad> installed;
   std::vector<torch::Tensor> carried;
   AwaitWork pass_wait;  // how this pass waits for its earlier buckets (bounding those in flight)
 
@@ -115,9 +116,7 @@ struct ReducerState {
   }
   // Whether `grad` is the very tensor the last reduction wrote as parameter i's average.
   bool installed_is(std::size_t i, const torch::Tensor& grad) const {
-    if (!installed[i] || !grad.defined()) return false;
-    const auto held = installed[i]->lock();
-    return held && held.get() == grad.unsafeGetTensorImpl();
+    return is_installed(installed[i], grad);
   }
 
   void hook_all() {
@@ -378,111 +377,23 @@ struct ReducerState {
                 "averaged over the ranks (an optim::FusedStep attached to these parameters steps "
                 "on this rank's gradient alone, and the ranks drift apart); give the fused step "
                 "to DataParallel::step_with(fused), which steps on the averages");
-    check_counts(u);
+    check_counts(params, late, group.size(), options, u);
     torch::NoGradGuard no_grad;
     for (auto& b : buckets) {
       if (sharded()) {
-        write_owned(b, u);
+        write_owned(b, params, u, group.size(), options.reduce_scatter, me(), carried, installed);
       } else {
-        write_all(b, u);
+        write_all(b, params, u, group.size());
       }
       if (!after_reduce) continue;
       for (const auto i : b.members) {
         if (u[i] > 0 && (!sharded() || params[i].owner == me())) after_reduce(i);
       }
-      if (sharded() && gather_after_reduce && gather_after_reduce()) gather_bucket(b);
+      if (sharded() && gather_after_reduce && gather_after_reduce()) {
+        gather_bucket(gather, group, b, params);
+      }
     }
     if (wait_gathers) gather.wait(await);
-  }
-
-  // Every rank gave a parameter a gradient, or none did (unless unused_parameters); none got a
-  // second one after its bucket left.
-  void check_counts(const float* u) const {
-    const float world = static_cast<float>(group.size());
-    std::ostringstream partly;
-    int n_partly = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (u[i] > 0 && u[i] < world) {
-        partly << (n_partly++ ? ", " : "") << params[i].name << " (on " << u[i]
-               << (u[i] == 1 ? " rank)" : " ranks)");
-      }
-    }
-    TORCH_CHECK(n_partly == 0 || options.unused_parameters, options.who, ": ", n_partly,
-                n_partly == 1 ? " parameter" : " parameters",
-                " got a gradient on some ranks but not on others in this backward (of ",
-                group.size(), " ranks): ", partly.str(), ". Pass ", options.unused_fix,
-                " to reduce them with zeros from the others (what one process on the whole batch "
-                "computes), or use every "
-                "parameter on every rank");
-    if (!late.empty()) {
-      std::ostringstream names;
-      for (std::size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << late[i];
-      TORCH_CHECK(false, options.who, ": ", names.str(),
-                  " got another gradient in this backward after its bucket was reduced (a "
-                  "parameter reached twice, e.g. through two reentrant recomputes); its "
-                  "gradient would be wrong. Use it once per backward, or reduce it yourself");
-    }
-  }
-
-  // Unsharded: the bucket's average into every gradient a rank used.
-  void write_all(ReducerBucket& b, const float* u) {
-    b.flat.div_(static_cast<float>(group.size()));
-    for (const auto i : b.members) {
-      if (u[i] == 0) continue;  // no rank used it: its gradient stays as it is
-      auto& p = params[i];
-      auto slice = b.flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
-      auto& grad = p.tensor.mutable_grad();
-      if (grad.defined()) {
-        grad.copy_(slice);
-      } else {
-        grad = slice.clone();
-      }
-    }
-  }
-
-  // Sharded: the owned parameters' gradients are this rank's averaged slice, each a tensor of
-  // its own over the slice's memory (not a view: optimizers detach_ gradients), which is freed
-  // once they all are; the others' are freed. An owned parameter no rank used keeps its own.
-  void write_owned(ReducerBucket& b, const float* u) {
-    b.shard.retire(me(), group.size(), options.reduce_scatter);
-    const auto& mine = b.shard.mine;
-    for (const auto i : b.members) {
-      auto& p = params[i];
-      auto& grad = p.tensor.mutable_grad();
-      if (p.owner != me()) {
-        grad.reset();
-        continue;
-      }
-      // The last reduction's average, not stepped since: set aside when this rank's first
-      // gradient arrived, or (no gradient here this time) still in place.
-      auto before = std::move(carried[i]);
-      carried[i] = torch::Tensor();
-      if (!before.defined() && installed_is(i, grad)) before = grad;
-      if (u[i] == 0) {  // no rank used it: it keeps its gradient
-        if (before.defined()) grad = before;
-        continue;
-      }
-      const auto place = mine.narrow(0, p.shard_offset, p.tensor.numel()).view(p.tensor.sizes());
-      if (before.defined()) {
-        grad = before.add_(place);
-      } else {
-        grad = torch::empty({0}, mine.options());
-        grad.set_(mine.storage(), place.storage_offset(), place.sizes(), place.strides());
-      }
-      installed[i] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad.getIntrusivePtr());
-    }
-    b.shard.mine = torch::Tensor();
-  }
-
-  // Starts sending each owner's parameters of bucket `b` to every rank (owner by owner).
-  void gather_bucket(const ReducerBucket& b) {
-    for (int o = 0; o < group.size(); ++o) {
-      std::vector<torch::Tensor> owned;
-      for (const auto i : b.members) {
-        if (params[i].owner == o) owned.push_back(params[i].tensor);
-      }
-      gather.launch(group, o, owned, b.shard.slice_of(o).numel);
-    }
   }
 };
 
