@@ -23,6 +23,15 @@
 //   [-- --pipe-only]  (the first table and the clipped step alone: sequential, in-process and
 //   distributed pipes; the key line gives nan for the rest, e.g. before/after a change to the
 //   transport)
+//   [-- --sharded-only]  (the sharded-state section alone, below)
+// Last, optimizer state sharded over data-parallel replicas (ZeRO; benchmarks/common/zero_job.hpp):
+// 2 stages x 2 replicas (4 more ranks) of 8 x [Linear(512,512), ReLU] per stage, and the same 16
+// layers under DataParallel on 2 ranks, Adam, each variant (unsharded, sharded state, sharded
+// state and gradients; unfused and fused) timed in alternating rounds on 64 rows per replica and
+// chunks 8 (zero_step_ratio: sharded state and gradients, fused / unsharded, fused, per round),
+// and measured in bytes per parameter of a rank's stage at its step's peak on 1-row
+// micro-batches (zero_bytes_per_param: the same variant); and each way of reduce-scattering a
+// 4 MiB bucket against the all-reduce, alone.
 #include <stagewise/distributed.hpp>
 #include <stagewise/stagewise.hpp>
 
@@ -36,6 +45,7 @@
 #include "benchmarks/common/rounds.hpp"
 #include "benchmarks/common/stats.hpp"
 #include "benchmarks/common/timing.hpp"
+#include "benchmarks/common/zero_job.hpp"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -252,13 +262,143 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
   ::_exit(code);
 }
 
+// The sharded-state section's figures (zero_job.hpp), printed after the others.
+struct ZeroFigures {
+  double step_ratio = NAN, bytes_per_param = NAN, zero1_bytes = NAN, zero1_ratio = NAN;
+  double dp_step_ratio = NAN, dp_bytes_per_param = NAN;
+};
+
+// Runs the section on the two jobs and prints its tables.
+ZeroFigures sharded_section(sw::bench::zero::Job& pipe, sw::bench::zero::Job& dp) {
+  namespace zero = sw::bench::zero;
+  namespace bench = sw::bench;
+  constexpr int kZeroRounds = 5;
+  ZeroFigures f;
+  // Times, alternating the variants' order round by round; each ratio within a round.
+  auto rounds = [&](zero::Job& job, int variants, std::vector<std::vector<double>>& us,
+                    std::vector<std::vector<double>>& ratio) {
+    us.assign(static_cast<std::size_t>(variants), {});
+    ratio.assign(static_cast<std::size_t>(variants), {});
+    for (int round = 0; round < kZeroRounds; ++round) {
+      std::vector<double> t(static_cast<std::size_t>(variants));
+      for (int k = 0; k < variants; ++k) {
+        const int v = (round + k) % variants;
+        t[static_cast<std::size_t>(v)] = job.time(v);
+      }
+      for (int v = 0; v < variants; ++v) {
+        us[static_cast<std::size_t>(v)].push_back(t[static_cast<std::size_t>(v)]);
+        // Each against its unsharded counterpart: unfused against unfused, fused against fused.
+        const int base = (v == zero::kPlain || v == zero::kSharded) ? zero::kPlain : zero::kFused;
+        ratio[static_cast<std::size_t>(v)].push_back(t[static_cast<std::size_t>(v)] /
+                                                     t[static_cast<std::size_t>(base)]);
+      }
+    }
+  };
+  std::vector<std::vector<double>> pipe_us, pipe_ratio, dp_us, dp_ratio;
+  rounds(pipe, zero::kVariants, pipe_us, pipe_ratio);
+  rounds(dp, zero::kDataParallelVariants, dp_us, dp_ratio);
+  // Bytes per parameter with 32 and 8 layers per stage: the transient (a gradient being computed,
+  // two buckets in flight, Adam's temporaries) is a few of the stage's largest tensors.
+  std::vector<double> pipe_bytes, dp_bytes, pipe_bytes8, dp_bytes8;
+  for (int v = 0; v < zero::kVariants; ++v) {
+    pipe_bytes.push_back(pipe.bytes_per_param(v, zero::kMemoryLayers));
+    pipe_bytes8.push_back(pipe.bytes_per_param(v, zero::kLayers));
+  }
+  for (int v = 0; v < zero::kDataParallelVariants; ++v) {
+    dp_bytes.push_back(dp.bytes_per_param(v, zero::kMemoryLayers));
+    dp_bytes8.push_back(dp.bytes_per_param(v, zero::kLayers));
+  }
+  std::vector<double> scatter_us;
+  for (int how = 0; how < 4; ++how) scatter_us.push_back(pipe.collective(how));
+  // The model-state bytes per fp32 parameter each variant holds at its peak, in theory (Adam: 8
+  // of state; d = 2), beside the measurement.
+  const char* theory[zero::kVariants] = {"4+4+4+8 = 20", "4+4+4+8 = 20", "4+4+8/d = 12",
+                                         "4+4+8/d = 12", "4+12/d = 10"};
+  const char* dp_theory[zero::kDataParallelVariants] = {"4+4+4+8 = 20", "4+4+4+8 = 20",
+                                                        "4+12/d = 10", "4+12/d = 10"};
+  auto table = [&](const char* title, int variants, const std::vector<std::vector<double>>& us,
+                   const std::vector<std::vector<double>>& ratio, const std::vector<double>& bytes,
+                   const std::vector<double>& bytes8, const char* const* formula) {
+    std::printf("# %s\n", title);
+    for (int v = 0; v < variants; ++v) {
+      bench::print_figure(zero::kNames[v], bench::summarize(us[static_cast<std::size_t>(v)]), "us");
+    }
+    for (int v = 0; v < variants; ++v) {
+      if (v == zero::kPlain || v == zero::kFused) continue;
+      bench::print_figure(std::string(zero::kNames[v]) + ": / unsharded",
+                          bench::summarize(ratio[static_cast<std::size_t>(v)]), "x");
+    }
+    std::printf("  %-52s %10s %10s  %s\n", "bytes per parameter at the step's peak", "32 layers",
+                "8 layers", "in theory: params+grads(+buckets)+Adam");
+    for (int v = 0; v < variants; ++v) {
+      std::printf("  %-52s %10.2f %10.2f  %s\n", zero::kNames[v],
+                  bytes[static_cast<std::size_t>(v)], bytes8[static_cast<std::size_t>(v)],
+                  formula[v]);
+    }
+  };
+  table(
+      "sharded state, 2 stages x 2 replicas (4 ranks), [Linear(512,512), ReLU] layers, Adam, "
+      "1F1B, 1 MiB buckets; times: 8 layers per stage, 64 rows per replica, chunks 8; bytes: 32 "
+      "and 8 layers per stage, 2 micro-batches of 1 row",
+      zero::kVariants, pipe_us, pipe_ratio, pipe_bytes, pipe_bytes8, theory);
+  table(
+      "sharded state, DataParallel on 2 ranks: the same layers (both stages), Adam, 1 MiB "
+      "buckets; times: 16 layers, 64 rows per rank; bytes: 64 and 16 layers, 1 row per rank",
+      zero::kDataParallelVariants, dp_us, dp_ratio, dp_bytes, dp_bytes8, dp_theory);
+  std::printf("# reduce-scattering a 4 MiB bucket over 2 ranks (2 owner slices), alone\n");
+  const char* ways[4] = {"reduce (one per owner, in place; default)", "all_to_all (owner sums)",
+                         "all_reduce (then dropped)", "unsharded all-reduce"};
+  for (int how = 0; how < 4; ++how) {
+    std::printf("  %-52s %10.1f us\n", ways[how], scatter_us[static_cast<std::size_t>(how)]);
+  }
+  f.step_ratio = bench::summarize(pipe_ratio[zero::kZero2Fused]).median;
+  f.bytes_per_param = pipe_bytes[zero::kZero2Fused];
+  f.zero1_ratio = bench::summarize(pipe_ratio[zero::kShardedFused]).median;
+  f.zero1_bytes = pipe_bytes[zero::kShardedFused];
+  f.dp_step_ratio = bench::summarize(dp_ratio[zero::kShardedFused]).median;
+  f.dp_bytes_per_param = dp_bytes[zero::kShardedFused];
+  return f;
+}
+
+// The sharded section's keys, appended to the last line.
+void print_zero_keys(const ZeroFigures& f) {
+  std::printf(
+      " zero_bytes_per_param=%.2f zero_step_ratio=%.3f zero1_bytes_per_param=%.2f "
+      "zero1_step_ratio=%.3f dp_zero_bytes_per_param=%.2f dp_zero_step_ratio=%.3f\n",
+      f.bytes_per_param, f.step_ratio, f.zero1_bytes, f.zero1_ratio, f.dp_bytes_per_param,
+      f.dp_step_ratio);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   namespace bench = sw::bench;
   bench::select_blas(argc, argv);  // may re-execute this program: before the ranks are forked
   const bool pipe_only = bench::has_flag(argc, argv, "--pipe-only");
-  // Fork the ranks first, while this process has one thread.
+  const bool sharded_only = bench::has_flag(argc, argv, "--sharded-only");
+  // Fork the ranks first, while this process has one thread. The sharded section's jobs: 4 ranks
+  // (2 x 2 pipe) and 2 (DataParallel), each on a port of its own.
+  std::unique_ptr<bench::zero::Job> zero_pipe, zero_dp;
+  if (!pipe_only) {
+    const int a = bench::free_loopback_port("distributed_cpu");
+    int b = bench::free_loopback_port("distributed_cpu");
+    while (b == a) b = bench::free_loopback_port("distributed_cpu");
+    zero_pipe = std::make_unique<bench::zero::Job>(true, 4, a);
+    zero_dp = std::make_unique<bench::zero::Job>(false, 2, b);
+  }
+  if (sharded_only) {
+    at::set_num_threads(1);
+    bench::Conditions conditions("distributed_cpu");
+    const auto z = sharded_section(*zero_pipe, *zero_dp);
+    const int failed = zero_pipe->quit() + zero_dp->quit();
+    conditions.print_end();
+    std::printf(
+        "distributed_cpu speedup_vs_sequential=nan one_f_one_b_speedup=nan ratio_vs_in_process=nan "
+        "speedup_vs_torch_pipelining=nan dp_speedup=nan dp_overlap=nan pp_dp_speedup=nan "
+        "clip_step_ratio=nan");
+    print_zero_keys(z);
+    return failed ? 1 : 0;
+  }
   const int port = bench::free_loopback_port("distributed_cpu");
   int commands[2][2], answers[2];
   std::vector<pid_t> ranks;
@@ -424,8 +564,9 @@ int main(int argc, char** argv) {
     std::printf(
         "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
         "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=nan dp_speedup=nan "
-        "dp_overlap=nan pp_dp_speedup=nan clip_step_ratio=%.3f\n",
+        "dp_overlap=nan pp_dp_speedup=nan clip_step_ratio=%.3f",
         speedup.median, ofob.median, ratio.median, clip_ratio.median);
+    print_zero_keys(ZeroFigures{});
     return failed ? 1 : 0;
   }
   // Data parallel against one process on the whole batch, alternating in rounds.
@@ -531,12 +672,16 @@ int main(int argc, char** argv) {
               "2x2 vs one replica: relative difference of the loss",
               std::abs(pp_dp_step[2] - one_replica_step[0]) / std::abs(one_replica_step[0]),
               std::abs(pp_dp_step[3] - one_replica_step[1]) / std::abs(one_replica_step[1]));
+  // Last, alone on the machine: the sharded-state section.
+  const auto zero = sharded_section(*zero_pipe, *zero_dp);
+  const int zero_failed = zero_pipe->quit() + zero_dp->quit();
   conditions.print_end();
   std::printf(
       "distributed_cpu speedup_vs_sequential=%.2f one_f_one_b_speedup=%.2f "
       "ratio_vs_in_process=%.2f speedup_vs_torch_pipelining=%.2f dp_speedup=%.2f "
-      "dp_overlap=%.2f pp_dp_speedup=%.2f clip_step_ratio=%.3f\n",
+      "dp_overlap=%.2f pp_dp_speedup=%.2f clip_step_ratio=%.3f",
       speedup.median, ofob.median, ratio.median, torch_us.median / gpipe_us, dp_speedup.median,
       dp_overlap.median, pp_dp_speedup.median, clip_ratio.median);
-  return failed ? 1 : 0;
+  print_zero_keys(zero);
+  return failed + zero_failed ? 1 : 0;
 }

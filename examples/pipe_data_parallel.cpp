@@ -11,10 +11,13 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <memory>
+#include <string>
 
 namespace sw = stagewise;
 
-int main() {
+int main(int argc, char** argv) {
+  const bool shard = argc > 1 && std::string(argv[1]) == "--shard";
   at::set_num_threads(1);  // one core per rank: the ranks are the parallelism
 
   // Every rank builds the whole model; each keeps its stage. Replica 0's initial parameters are
@@ -23,9 +26,18 @@ int main() {
                               torch::nn::Linear(512, 512), torch::nn::ReLU(),
                               torch::nn::Linear(512, 10), torch::nn::LogSoftmax(1));
   sw::distributed::Pipe pipe(model, sw::balance{2, 4}, sw::PipeOptions().chunks(4),
-                             sw::distributed::Options().data_parallel(2));
+                             sw::distributed::Options().data_parallel(2).shard_gradients(shard));
   if (pipe->rank() == 0) std::cout << pipe->layout();
-  torch::optim::Adam optimizer(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  // Sharded: Adam over this replica's half of its stage's parameters (it sends their new values
+  // to the other replica after each step); else over all of them.
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (shard) {
+    optimizer = std::make_unique<sw::distributed::Sharded<torch::optim::Adam>>(
+        pipe, torch::optim::AdamOptions(1e-3));
+  } else {
+    optimizer =
+        std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  }
 
   // The quickstart's toy task; every rank draws the same global batch (same seed) and its
   // replica trains on its half (shard), given by the first stage's rank (input) and the last's
@@ -43,8 +55,8 @@ int main() {
   for (int step = 0; step < 30; ++step) {
     // The loss of the whole global batch; the gradients averaged over the replicas.
     last = pipe->train_step(input, target, nll, sw::schedule::one_f_one_b{}).item<double>();
-    optimizer.step();  // the same step in both replicas
-    optimizer.zero_grad();
+    optimizer->step();  // the same step in both replicas (sharded: each its half)
+    optimizer->zero_grad();
     if (step == 0) first = last;
     if (pipe->rank() == 0 && (step % 5 == 0 || step == 29)) {
       std::cout << "step " << step << "  loss " << last << "\n";
@@ -53,6 +65,10 @@ int main() {
   const bool learned = last < 0.5 * first;
   std::cout << "rank " << pipe->rank() << " (replica " << pipe->replica() << ", stage rank "
             << pipe->pipeline_rank() << "): loss went from " << first << " to " << last
-            << (learned ? " (learning)" : " (NOT learning)") << "\n";
+            << (learned ? " (learning)" : " (NOT learning)")
+            << (shard ? ", optimizer state for " + std::to_string(optimizer->state().size()) +
+                            " of " + std::to_string(pipe->parameters().size()) + " parameters"
+                      : std::string())
+            << "\n";
   return learned ? 0 : 1;
 }

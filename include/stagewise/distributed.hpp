@@ -4,7 +4,9 @@
 // (Debian: libgloo-dev) and -DUSE_C10D_GLOO; in Bazel depend on //:distributed.
 
 #include "stagewise/pipe/distributed/data_parallel.hpp"
+#include "stagewise/pipe/distributed/options.hpp"
 #include "stagewise/pipe/distributed/pipe.hpp"
+#include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"

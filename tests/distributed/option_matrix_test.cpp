@@ -69,6 +69,8 @@ const Row kTable[] = {
     {"backend",                       {none, none, none, yes, yes}},
     {"bucket_bytes",                  {none, none, none, none, yes}},
     {"unused_parameters",             {none, none, none, none, yes}},
+    {"shard_optimizer_state",         {none, none, none, refused, yes}},
+    {"reduce_scatter",                {none, none, none, none, yes}},
 };
 // option-table-end
 // clang-format on
@@ -220,6 +222,13 @@ Probe probe(const std::string& option, Kind kind) {
   } else if (option == "bucket_bytes" || option == "unused_parameters") {
     if (option == "bucket_bytes") p.dist.bucket_bytes(64);
     if (option == "unused_parameters") p.dist.unused_parameters(true);
+    p.check = [](const Observed& o) { return count_is(o, 'B', [](int) { return 4; }); };
+  } else if (option == "shard_optimizer_state" || option == "reduce_scatter") {
+    p.dist.shard_optimizer_state(true);
+    if (option == "reduce_scatter") p.dist.reduce_scatter(sw::runtime::ReduceScatter::all_to_all);
+    p.refusal =
+        "Options().shard_optimizer_state(true) shards each stage's optimizer state over "
+        "its data-parallel replicas, but the pipe has one (data_parallel(1))";
     p.check = [](const Observed& o) { return count_is(o, 'B', [](int) { return 4; }); };
   }
   return p;

@@ -1,8 +1,8 @@
 // The 2-D distributed pipe (2 stages x 2 replicas on 4 ranks) with a parameter that one replica
 // uses and the other does not: with Options().unused_parameters(true) the other replica adds
 // zeros, and every rank's gradients are the mean of the replicas' gradients computed in one
-// process; without it, the step fails on every rank of every replica, naming the parameter and
-// the option.
+// process (with sharded optimizer state, on the parameter's owner only); without it, the step
+// fails on every rank of every replica, naming the parameter and the option.
 
 #include "stagewise/distributed.hpp"
 #include "stagewise/stagewise.hpp"
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace sw = stagewise;
 using sw::testing::contains;
@@ -58,8 +59,9 @@ std::pair<torch::Tensor, torch::Tensor> batch() {
 }
 
 // Rank `rank` of the 2 x 2 pipe: one 1F1B step; checks the loss and this rank's gradients against
-// one process (replica 0's rows with the gate open, replica 1's with it closed, averaged).
-void train(int rank, bool unused) {
+// one process (replica 0's rows with the gate open, replica 1's with it closed, averaged). With
+// `shard` (sharded optimizer state), a rank holds the averages of the parameters it owns only.
+void train(int rank, bool unused, bool shard = false) {
   auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
   const auto [x, y] = batch();
   auto ref = model();
@@ -70,9 +72,12 @@ void train(int rank, bool unused) {
   const auto want = (loss0 + loss1) / 2;
   want.backward();
 
-  sw::distributed::Pipe pipe(
-      c, model(), sw::balance{2, 2}, sw::PipeOptions().chunks(2),
-      sw::distributed::Options().data_parallel(2).unused_parameters(unused).timeout(20s));
+  sw::distributed::Pipe pipe(c, model(), sw::balance{2, 2}, sw::PipeOptions().chunks(2),
+                             sw::distributed::Options()
+                                 .data_parallel(2)
+                                 .unused_parameters(unused)
+                                 .shard_optimizer_state(shard)
+                                 .timeout(20s));
   gate_open() = pipe->replica() == 0;
   const auto loss =
       pipe->train_step(pipe->shard(x), pipe->shard(y), mse, sw::schedule::one_f_one_b{});
@@ -80,10 +85,17 @@ void train(int rank, bool unused) {
               loss.item<double>(), ", one process ", want.item<double>());
   const auto refs = ref->named_parameters();
   int checked = 0;
+  const auto owned = shard ? pipe->sharded_parameters().owned : std::vector<char>();
+  std::size_t k = 0;
   for (const auto& p : pipe->named_parameters()) {
     // "stage<j>.<layer>...": the same layer of the reference is "<layer>...".
     const auto name = p.key().substr(p.key().find('.') + 1);
     const auto& r = refs[name];
+    if (shard && !owned[k++]) {  // another replica's: its gradient was freed here
+      TORCH_CHECK(!p.value().grad().defined(), "rank ", rank, ": ", p.key(),
+                  " is not this replica's but kept a gradient");
+      continue;
+    }
     const double scale = std::max(r.grad().abs().max().item<double>(), 1e-6);
     const double diff = (p.value().grad() - r.grad()).abs().max().item<double>() / scale;
     TORCH_CHECK(diff <= 1e-5, "rank ", rank, ": ", p.key(), " differs by ", diff);
@@ -99,6 +111,16 @@ TEST_SUITE("distributed pipe x data parallel, unused parameters") {
   TEST_CASE("a parameter one replica leaves unused: zeros from it with unused_parameters") {
     const auto r = run_ranks(
         4, [](int rank) { unused2d::train(rank, true); }, 120s);
+    for (int k = 0; k < 4; ++k) {
+      CAPTURE(k);
+      CHECK(sw::testing::of(r, k).text == "");
+      CHECK(sw::testing::of(r, k).status == 0);
+    }
+  }
+
+  TEST_CASE("with sharded state: each parameter's owner gets that average, the others free it") {
+    const auto r = run_ranks(
+        4, [](int rank) { unused2d::train(rank, true, /*shard=*/true); }, 120s);
     for (int k = 0; k < 4; ++k) {
       CAPTURE(k);
       CHECK(sw::testing::of(r, k).text == "");

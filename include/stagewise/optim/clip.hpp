@@ -22,6 +22,27 @@ struct FusedStepAccess {
   // Ends a step whose parameters were stepped by step_parameter (a data-parallel pipe's
   // reductions): the counts reset, the norms of a norm pass kept for the clip.
   static void reset_counts(optim::FusedStep& fused) { fused.reset_counts(); }
+  // Sharded over data-parallel replicas: the parameters this process owns (`owned[i]` for the
+  // fused step's parameter i) keep optimizer state; `norms` and `found_inf`, if given, total a
+  // clip's norms and a GradScaler's checks over every replica when the caller gives none.
+  static void set_shard(
+      optim::FusedStep& fused, std::vector<char> owned,
+      std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> norms = {},
+      std::function<torch::Tensor(const torch::Tensor&)> found_inf = {}) {
+    auto& st = fused.state();
+    TORCH_CHECK(owned.empty() || owned.size() == st.slots.size(),
+                "stagewise::optim::FusedStep: ", owned.size(), " ownership flags for ",
+                st.slots.size(), " parameters");
+    st.owned = std::move(owned);
+    st.shard_norms = std::move(norms);
+    st.shard_found_inf = std::move(found_inf);
+  }
+  // The fused step is stepped by its caller (step_parameter), as averaged gradients arrive.
+  static void set_driven(optim::FusedStep& fused, bool on) { fused.state().driven = on; }
+  // Whether a norm pass is running (its parameters are measured, not stepped).
+  static bool in_norm_pass(optim::FusedStep& fused) {
+    return fused.state().shared.mode.load() == FusedMode::norm;
+  }
   // A norm pass of clip_grad_norm_step that totals this process's norms only is running (a pipe
   // over several processes refuses it).
   static bool measuring_alone(optim::FusedStep& fused) {
@@ -122,6 +143,8 @@ inline double set_clip_coef(FusedState& st, const TwoPass& how) {
   std::vector<torch::Tensor> norms;
   if (how.gather) {
     norms = how.gather(mine);
+  } else if (st.shard_norms) {  // sharded replicas: every replica's norms, in parameter order
+    norms = st.shard_norms(mine);
   } else {
     for (auto& n : mine) {
       if (n.defined()) norms.push_back(std::move(n));
@@ -160,7 +183,7 @@ inline bool first_pass_finite(FusedState& st, const TwoPass& how, std::int64_t s
 template <optim::loss_closure F>
 optim::ClipStepResult two_pass_step(optim::FusedStep& fused, F& closure, const TwoPass& how) {
   auto& st = FusedStepAccess::state(fused);
-  TORCH_CHECK(st.attached, how.who,
+  TORCH_CHECK(st.attached || st.driven, how.who,
               ": the fused step is detached. Call attach() first, or clip with "
               "torch::nn::utils::clip_grad_norm_ and step yourself.");
   TORCH_CHECK(!st.shared.in_passes, how.who,
@@ -185,7 +208,7 @@ optim::ClipStepResult two_pass_step(optim::FusedStep& fused, F& closure, const T
   FusedPassGuard guard{st};
   const auto rng = RngState::capture_all();
   st.shared.norm_type = how.norm_type;
-  st.shared.norms_gathered = static_cast<bool>(how.gather);
+  st.shared.norms_gathered = static_cast<bool>(how.gather) || static_cast<bool>(st.shard_norms);
   st.shared.measure_norm = how.clip;
   st.shared.in_passes = true;
   st.shared.scaled = how.scaler != nullptr ? how.scaler->pass : nullptr;

@@ -289,14 +289,19 @@ class FusedStep {
   /// The kind of state it keeps: its optimizer's options type, as the unfused optimizer's
   /// (`optim::state_kind`), so that a pipe's save made with one loads into the other.
   std::string state_kind() const { return optim::state_kind(*state().slots.front()->optimizer); }
-  /// Whether `param` is one of its parameters.
-  bool keeps_state(const torch::Tensor& param) const { return slot_of(param) != nullptr; }
+  /// Whether it keeps `param`'s state: one of its parameters (sharded over data-parallel
+  /// replicas, one this replica owns).
+  bool keeps_state(const torch::Tensor& param) const {
+    const auto* slot = slot_of(param);
+    return slot != nullptr && state().owns(slot->index);
+  }
   /// Writes parameter `param`'s state as the unfused optimizer's `optim::save_state` does (one
   /// parameter in LibTorch's layout), or returns false if `param` is not one of its parameters:
   /// a pipe's save files it under the parameter's name.
   bool save_state(const torch::Tensor& param, torch::serialize::OutputArchive& archive) const {
     const auto* slot = slot_of(param);
-    return slot != nullptr && optim::save_state(*slot->optimizer, param, archive);
+    return slot != nullptr && state().owns(slot->index) &&
+           optim::save_state(*slot->optimizer, param, archive);
   }
   /// Replaces parameter `param`'s state with what `save_state` wrote (this FusedStep's, another's
   /// or an unfused optimizer's of the same kind, over any parameters). Between steps only.
@@ -305,17 +310,40 @@ class FusedStep {
     optim::load_state(*find(param, "load_state").optimizer, param, archive);
   }
 
-  /// Loads state saved by `save` or by the unfused optimizer over the same parameters.
+  /// Loads state saved by `save` or by the unfused optimizer over the same parameters. Sharded
+  /// over data-parallel replicas (`distributed::DataParallel::step_with`, the 2-D pipe with
+  /// `shard_optimizer_state`), it keeps the state of the parameters this replica owns and
+  /// refuses, naming it and changing nothing, an owned parameter without state in an archive
+  /// that holds state for others (a save of another shard, or of another model).
   void load(torch::serialize::InputArchive& archive) {
     auto combined = combined_optimizer();
     combined->load(archive);
     const auto& options = combined->param_groups()[0].options();
-    for (auto& slot : state().slots) {
+    auto& st = state();
+    if (!st.owned.empty() && !combined->state().empty()) {
+      std::ostringstream missing;
+      int count = 0;
+      for (const auto& slot : st.slots) {
+        if (!st.owns(slot->index)) continue;
+        if (combined->state().count(detail::optimizer_state_key(slot->param)) == 0) {
+          missing << (count++ ? ", " : "") << slot->describe();
+        }
+      }
+      TORCH_CHECK(count == 0,
+                  "stagewise::optim::FusedStep::load: the archive holds optimizer "
+                  "state, but none for ",
+                  missing.str(),
+                  ", which this replica owns; it was "
+                  "saved by another replica or for another model. Load each replica's own "
+                  "save (same model, same replica count), or an unsharded optimizer's; nothing "
+                  "was loaded");
+    }
+    for (auto& slot : st.slots) {
       auto& map = slot->optimizer->state();
       map.clear();
       const auto key = detail::optimizer_state_key(slot->param);
       auto it = combined->state().find(key);
-      if (it != combined->state().end()) map[key] = std::move(it->second);
+      if (it != combined->state().end() && st.owns(slot->index)) map[key] = std::move(it->second);
       slot->optimizer->param_groups()[0].set_options(options.clone());
     }
   }

@@ -8,6 +8,7 @@
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/fused_step.hpp"
 #include "stagewise/optim/grad_scaler_options.hpp"
+#include "stagewise/optim/job_wide_checks.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
@@ -304,15 +305,22 @@ class GradScaler {
     }
     std::vector<torch::Tensor> out;
     for (auto& [d, f] : found) out.push_back(f);
-    return reduced(std::move(out));
+    detail::FoundInfReduction spread;  // a sharded optimizer's: its checks span the job
+    if (auto* job = dynamic_cast<optim::JobWideChecks*>(&optimizer)) {
+      spread = [job](const torch::Tensor& sum) { return job->sum_found_inf(sum); };
+    }
+    return reduced(std::move(out), spread);
   }
 
-  // Over several processes (a pipe's reduction for this step), the job's sum of `found`.
-  std::vector<torch::Tensor> reduced(std::vector<torch::Tensor> found) {
-    if (!reduction_) return found;
+  // Over several processes (a pipe's reduction for this step, else `fallback`: a sharded
+  // optimizer's), the job's sum of `found`.
+  std::vector<torch::Tensor> reduced(std::vector<torch::Tensor> found,
+                                     const detail::FoundInfReduction& fallback = nullptr) {
+    const auto& reduction = reduction_ ? reduction_ : fallback;
+    if (!reduction) return found;
     auto sum = torch::zeros({}, scale_.options());
     for (const auto& f : found) sum += f.to(scale_.device());
-    return {reduction_(sum).to(scale_.device())};
+    return {reduction(sum).to(scale_.device())};
   }
 
   static bool any_found(const std::vector<torch::Tensor>& found) {
@@ -352,7 +360,9 @@ class GradScaler {
         if (f.defined()) defined.push_back(f);
       }
       auto& state = states_[&fused];
-      state.found_inf = reduced(std::move(defined));
+      // Sharded over replicas (DataParallel::step_with), each checked only its own share.
+      state.found_inf =
+          reduced(std::move(defined), detail::FusedStepAccess::state(fused).shard_found_inf);
       TORCH_CHECK(!state.found_inf.empty(),
                   "stagewise::amp::GradScaler::step: no inf checks were recorded for this fused "
                   "step: none of its parameters got a gradient in the closure's backward");

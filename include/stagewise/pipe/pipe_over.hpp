@@ -260,6 +260,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   ///   pipe->save("ckpt/step-" + std::to_string(step), optimizer, step);
   template <savable_optimizer Optimizer>
   void save(const std::string& dir, const Optimizer& optimizer, std::int64_t step) {
+    replicas_.wait_parameters(-1);  // sharded replicas: the owners' updates are in
     const auto access = detail::saving(optimizer);
     saves().save(dir, step, &access, {});
   }
@@ -268,6 +269,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   template <savable_optimizer Optimizer>
   void save(const std::string& dir, const Optimizer& optimizer, const amp::GradScaler& scaler,
             std::int64_t step) {
+    replicas_.wait_parameters(-1);
     const auto access = detail::saving(optimizer);
     saves().save(
         dir, step, &access,
@@ -275,7 +277,10 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   }
 
   /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.
-  void save(const std::string& dir, std::int64_t step) { saves().save(dir, step, nullptr, {}); }
+  void save(const std::string& dir, std::int64_t step) {
+    replicas_.wait_parameters(-1);
+    saves().save(dir, step, nullptr, {});
+  }
 
   /// Resumes from a save (`save`) made under any plan: loads this process's stages' parameters
   /// and buffers and `optimizer`'s state of each of its parameters, by the model's names, from
@@ -293,6 +298,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   ///   const auto step = pipe->load("ckpt/step-100", optimizer) + 1;  // the next step to run
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer) {
+    before_load(optimizer);
     const auto access = detail::loading(optimizer);
     return saves().load(dir, &access, {});
   }
@@ -300,6 +306,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   /// `load` with a GradScaler's state too; a save without one is refused, changing nothing.
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer, amp::GradScaler& scaler) {
+    before_load(optimizer);
     const auto access = detail::loading(optimizer);
     return saves().load(
         dir, &access,
@@ -312,7 +319,10 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
 
   /// Loads the stages' parameters, buffers and the generators' states of a save, leaving any
   /// saved optimizer state unread (e.g. to evaluate a saved model).
-  std::int64_t load(const std::string& dir) { return saves().load(dir, nullptr, {}); }
+  std::int64_t load(const std::string& dir) {
+    replicas_.wait_parameters(-1);
+    return saves().load(dir, nullptr, {});
+  }
 
   /// The transport the pipe's steps run over.
   Transport& transport() { return *transport_; }
@@ -345,6 +355,14 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   using Core::who_;
 
  private:
+  // Before a load: no update still on its way overwrites what it loads, and a sharded fused
+  // step keeps (and requires) the state of the parameters this replica owns.
+  template <class Optimizer>
+  void before_load(Optimizer& optimizer) {
+    replicas_.wait_parameters(-1);
+    if constexpr (std::is_same_v<Optimizer, optim::FusedStep>) replicas_.own(optimizer);
+  }
+
   using Core::norm_gather;
   using Core::run_step;
   using Core::saves;

@@ -59,6 +59,12 @@ struct PipelinePlan {
   /// passed to `train_step`): it frees each gradient once stepped.
   bool fused_step = false;
   std::string optimizer;               ///< what the state bytes were counted for
+  /// Data-parallel replicas the memory was counted for (`PlanOptions::replicas`), and whether
+  /// their optimizer state (and gradients) are sharded: build the 2-D pipe with
+  /// `distributed::Options().data_parallel(replicas)` and the same sharding.
+  int replicas = 1;
+  bool shard_optimizer_state = false;
+  bool shard_gradients = false;
   std::int64_t cap = 0;                ///< bytes per worker
   double step_seconds = 0;             ///< predicted
   std::vector<schedule::WorkerMemory> memory;  ///< per worker, predicted
@@ -100,10 +106,16 @@ struct PipelinePlan {
     for (std::size_t j = 0; j < split.size(); ++j) out << (j ? " " : "") << split[j];
     const auto rows = batch_rows / std::max<std::int64_t>(micro_batches, 1);
     out << " layers), " << micro_batches << " micro-batches of " << rows
-        << (rows == 1 ? " row, " : " rows, ") << (fused_step ? "fused" : "unfused") << " " << optimizer
-        << " step; predicted step " << std::setprecision(4) << step_seconds * 1e3
-        << " ms, peak " << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap))
-        << " per worker\n";
+        << (rows == 1 ? " row, " : " rows, ") << (fused_step ? "fused" : "unfused") << " "
+        << optimizer << " step";
+    if (replicas > 1) {
+      out << " for each of " << replicas << " data-parallel replicas"
+          << (shard_gradients         ? " (optimizer state and gradients sharded)"
+              : shard_optimizer_state ? " (optimizer state sharded)"
+                                      : "");
+    }
+    out << "; predicted step " << std::setprecision(4) << step_seconds * 1e3 << " ms, peak "
+        << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap)) << " per worker\n";
     for (std::size_t j = 0; j < checkpoints.size(); ++j) {
       out << "  stage " << j << ": checkpoint " << to_string(checkpoints[j])
           << (j < offload_stages.size() && offload_stages[j] ? ", offloads" : "") << "\n";

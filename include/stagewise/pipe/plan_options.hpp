@@ -118,6 +118,38 @@ class PlanOptions {
     separate_devices_ = on;
     return *this;
   }
+  /// Data-parallel replicas of the pipeline (default 1): the plan is for one replica of a 2-D
+  /// pipe (`distributed::Options().data_parallel(d)`), `workers` ranks each, planned on a
+  /// replica's rows. Each worker then also holds its stages' reduction buckets, or, with
+  /// `shard_optimizer_state` / `shard_gradients`, only its shard of the optimizer state (and of
+  /// the gradients); and the fused step runs at the end of the step, after the reduction
+  /// (`schedule::replica_state`).
+  ///   sw::PlanOptions().workers(2).replicas(2).shard_gradients(true)
+  PlanOptions& replicas(int d) {
+    TORCH_CHECK(d >= 1, "stagewise::PlanOptions: replicas is ", d, "; give 1 or more");
+    replicas_ = d;
+    return *this;
+  }
+  /// With replicas: each stage's optimizer state sharded over them (ZeRO-1), as
+  /// `distributed::Options().shard_optimizer_state(true)` builds it.
+  PlanOptions& shard_optimizer_state(bool on) {
+    shard_state_ = on;
+    if (!on) shard_gradients_ = false;
+    return *this;
+  }
+  /// With replicas: the gradients sharded too (ZeRO-2), as
+  /// `distributed::Options().shard_gradients(true)` builds it.
+  PlanOptions& shard_gradients(bool on) {
+    shard_gradients_ = on;
+    if (on) shard_state_ = true;
+    return *this;
+  }
+  /// The reducer's bucket size the plan counts (default 25 MiB, as distributed::Options).
+  PlanOptions& bucket_bytes(std::int64_t b) {
+    TORCH_CHECK(b > 0, "stagewise::PlanOptions: bucket_bytes is ", b, "; give a positive size");
+    bucket_bytes_ = b;
+    return *this;
+  }
   /// Fastest first (default) or smallest first.
   PlanOptions& prefer(PlanFor p) {
     prefer_ = p;
@@ -152,6 +184,10 @@ class PlanOptions {
   int rounds() const { return rounds_; }
   double headroom() const { return headroom_; }
   bool separate_devices() const { return separate_devices_; }
+  int replicas() const { return replicas_; }
+  bool shard_optimizer_state() const { return shard_state_; }
+  bool shard_gradients() const { return shard_gradients_; }
+  std::int64_t bucket_bytes() const { return bucket_bytes_; }
 
  private:
   int workers_ = 2;
@@ -171,6 +207,10 @@ class PlanOptions {
   int rounds_ = 2;
   double headroom_ = 0.05;
   bool separate_devices_ = false;
+  int replicas_ = 1;
+  bool shard_state_ = false;
+  bool shard_gradients_ = false;
+  std::int64_t bucket_bytes_ = 25LL << 20;
 };
 
 }  // namespace stagewise

@@ -23,7 +23,16 @@ namespace stagewise {
 /// - `step_after_reduction(fused)`: the reductions step `fused`'s parameters as their averages are
 ///   written (null: they stop doing so);
 /// - `writes_stage_files()`: whether this process writes its stages' files in a save (replicas
-///   hold the same stages: the first writes them, every replica reads them).
+///   hold the same stages: the first writes them, every replica reads them);
+/// - `sharded()`: whether the replicas shard the optimizer's state (then every replica writes
+///   the state of the parameters it owns in a save; the same answer on every process);
+/// - `wait_parameters(stage)`: on the worker of stage `stage` (-1: every stage, on the caller)
+///   before it reads its parameters: with optimizer state sharded over the replicas, until the
+///   owners' updates of the last step have arrived;
+/// - `own(fused)`: marks which of `fused`'s parameters this replica keeps optimizer state for
+///   (sharded: the ones it owns);
+/// - `weight_pass(stage, begin)`: on stage `stage`'s worker right before (`begin`) and after
+///   each action computing its weight gradients (to reduce each micro-batch's as it arrives).
 template <class R>
 concept pipe_replicas = requires(R& r, const R& cr, int stage, const torch::Tensor& loss,
                                  std::int64_t rows, optim::FusedStep* fused) {
@@ -32,6 +41,10 @@ concept pipe_replicas = requires(R& r, const R& cr, int stage, const torch::Tens
   { r.finish(loss, rows) } -> std::same_as<torch::Tensor>;
   r.step_after_reduction(fused);
   { cr.writes_stage_files() } -> std::same_as<bool>;
+  { cr.sharded() } -> std::same_as<bool>;
+  r.wait_parameters(stage);
+  r.own(*fused);
+  r.weight_pass(stage, true);
 };
 
 /// One replica: nothing to average.
@@ -41,6 +54,10 @@ struct OneReplica {
   torch::Tensor finish(const torch::Tensor& loss, std::int64_t /*rows*/) { return loss; }
   void step_after_reduction(optim::FusedStep* /*fused*/) {}
   bool writes_stage_files() const { return true; }
+  bool sharded() const { return false; }
+  void wait_parameters(int /*stage*/) {}
+  void own(optim::FusedStep& /*fused*/) {}
+  void weight_pass(int /*stage*/, bool /*begin*/) {}
 };
 
 static_assert(pipe_replicas<OneReplica>);

@@ -67,6 +67,13 @@ struct TrainStep {
   /// Called on the worker with stage j once its parameters' gradients of the step are final (after
   /// the stage's last B or W), e.g. to start reducing them; null: nothing is called.
   std::function<void(int)> gradients_ready;
+  /// Called on the worker with stage j before the stage's first forward of the step, e.g. to
+  /// wait for parameters another process updated (sharded optimizer state); null: nothing.
+  std::function<void(int)> parameters_needed;
+  /// Called on the worker with stage j right before (`true`) and after (`false`) each action
+  /// that computes the stage's weight gradients (B, or W under a split backward), e.g. to reduce
+  /// each micro-batch's gradients as they arrive; null: nothing.
+  std::function<void(int, bool)> weight_pass;
   /// Where offloads O put what a checkpointed cell keeps until its reload L; none: the plan has
   /// no O.
   std::optional<AnyStore> store;

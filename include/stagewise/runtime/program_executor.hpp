@@ -272,6 +272,7 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
       last_grad[static_cast<std::size_t>(p.stage)] = p.after;
     }
   }
+  std::vector<char> needed(step.parameters_needed ? static_cast<std::size_t>(n) : 0, 1);
   for (std::size_t k = 0; k < program.size(); ++k) {
     const auto& a = program[k];
     const int j = a.stage;
@@ -295,10 +296,19 @@ torch::Tensor run_program(std::vector<std::unique_ptr<StageRuntime>>& stages,
     // time spent waiting is recorded beside it (Timeline::waiting).
     const double ready = record ? now() : 0.0;
     detail::Inputs in = detail::receive_inputs(c, a.kind);
+    if (!needed.empty() && needed[static_cast<std::size_t>(j)] &&
+        a.kind == schedule::ActionKind::forward) {
+      needed[static_cast<std::size_t>(j)] = 0;
+      step.parameters_needed(j);  // after the input arrived: other work hides the wait
+    }
     const double start = record ? now() : 0.0;
     // The action itself; an exception it raises gains the cell and the phase as context.
+    const bool weights = step.weight_pass && (a.kind == schedule::ActionKind::backward ||
+                                              a.kind == schedule::ActionKind::weight_grad);
     try {
+      if (weights) step.weight_pass(j, true);
       detail::run_action(c, a, in, total);
+      if (weights) step.weight_pass(j, false);
     } catch (const detail::Aborted&) {
       throw;
     } catch (const RelayedError&) {

@@ -25,6 +25,23 @@ struct StageState {
   double step_working = 0;
 };
 
+/// How data-parallel replicas of a pipeline hold each stage (the 2-D pipe,
+/// `distributed::Options().data_parallel(d)`), for `replica_state`: d replicas, each stage's
+/// optimizer state sharded over them (ZeRO-1, `shard_optimizer_state`), and its gradients too
+/// (ZeRO-2, `shard_gradients`); the reducer's bucket size; the stage's largest parameter.
+///   stagewise::schedule::StageReplicas{.replicas = 2, .shard_gradients = true,
+///                                      .largest_tensor = 1 << 20}
+struct StageReplicas {
+  int replicas = 1;
+  bool shard_optimizer_state = false;
+  bool shard_gradients = false;  ///< implies shard_optimizer_state
+  double bucket_bytes = 25.0 * (1 << 20);
+  double largest_tensor = 0;
+  /// The share of the stage's parameter bytes its most loaded replica owns, when known (from
+  /// `optim::shard_owners` over its tensors); 0: bounded by 1/d plus the largest tensor.
+  double owned_share = 0;
+};
+
 /// A worker's bytes at its peak, by what holds them; `peak` is their sum: what the worker's
 /// device must hold. `offloaded` is the most bytes its cells had in the store at once (host
 /// memory or files, not counted in `peak`).
@@ -37,6 +54,40 @@ struct WorkerMemory {
   double peak = 0;
   double offloaded = 0;
 };
+
+/// What one of `r.replicas` replicas holds of a stage whose whole state is `whole`, for
+/// `worker_memory` (with d > 1, pass it `fused` false: a 2-D pipe's fused step runs after the
+/// reduction, at the end of the step, as an unfused step does):
+/// - unsharded: the gradients and the reducer's bucket copies of them (kept between steps);
+/// - sharded optimizer state: its shard of the state, at most whole / d plus the largest tensor
+///   (parameters are owned whole, balanced by size), and the step temporaries of its shard; the
+///   gradients whole until the reduction, whose copies replace them bucket by bucket;
+/// - sharded gradients too: its shard of the gradients, plus two buckets in flight and the
+///   gradient being computed.
+///   auto mine = stagewise::schedule::replica_state({.params = 8e6, .grads = 8e6,
+///                                                   .optimizer = 16e6, .step_working = 2e6},
+///                                                  {.replicas = 2, .shard_gradients = true});
+inline StageState replica_state(const StageState& whole, const StageReplicas& r) {
+  TORCH_CHECK(r.replicas >= 1, "stagewise::schedule::replica_state: ", r.replicas,
+              " replicas; give 1 or more");
+  if (r.replicas == 1) return whole;
+  StageState out = whole;
+  if (!r.shard_optimizer_state && !r.shard_gradients) {
+    out.grads = 2 * whole.grads;  // the gradients and their bucket copies
+    return out;
+  }
+  const double d = r.replicas;
+  // The most one owner can hold of `x` (greedy by size: at most x / d plus the largest tensor).
+  const double whole_bytes = std::max(whole.params, 1.0);
+  const double owned = r.owned_share > 0 ? std::min(1.0, r.owned_share)
+                                         : std::min(1.0, 1.0 / d + r.largest_tensor / whole_bytes);
+  out.optimizer = whole.optimizer * owned;
+  if (r.shard_gradients) {
+    const double in_flight = 2 * r.bucket_bytes + r.largest_tensor;
+    out.grads = std::min(whole.grads, whole.grads * owned + in_flight);
+  }
+  return out;
+}
 
 namespace detail {
 

@@ -47,6 +47,9 @@ struct StageCosts {
   double param_bytes = 0;
   /// The largest parameter (an optimizer step's temporaries are about its size).
   double largest_param_bytes = 0;
+  /// Each parameter's bytes, in the stage's order (what data-parallel replicas shard it by:
+  /// `optim::shard_owners`).
+  std::vector<double> tensor_bytes;
 };
 
 /// The loss a pipe's last stage computes, for `profile_stages`: `fn(output, target)` on one
@@ -276,6 +279,7 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
       const double n = static_cast<double>(p.nbytes());
       c.param_bytes += n;
       c.largest_param_bytes = std::max(c.largest_param_bytes, n);
+      c.tensor_bytes.push_back(n);
     }
     const Batch in = detail::leaf_input(batch, j > 0 || detail::requires_grad(sample));
     for (int round = 0; round <= std::max(options.rounds(), 1); ++round) {

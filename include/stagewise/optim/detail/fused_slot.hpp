@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <memory>
@@ -214,6 +215,17 @@ struct FusedState {
   FusedShared shared;
   optim::OptimizerFactory factory;
   bool attached = false;
+  // Detached, but stepped by a caller through step_parameter as each averaged gradient arrives
+  // (distributed::DataParallel::step_with): two-pass steps (clip, GradScaler) run through it.
+  bool driven = false;
+  // Sharded over data-parallel replicas (distributed::DataParallel::step_with, the 2-D pipe):
+  // the slots whose optimizer state this process keeps (empty: all), and, for DataParallel, where
+  // a clip's norms and a GradScaler's inf/NaN checks are totalled when the caller names nothing
+  // (every replica's, not this one's alone). Set through FusedStepAccess.
+  std::vector<char> owned;
+  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> shard_norms;
+  std::function<torch::Tensor(const torch::Tensor&)> shard_found_inf;
+  bool owns(std::size_t i) const { return owned.empty() || owned[i] != 0; }
 };
 
 // Checks the parameters and builds one optimizer per parameter (FusedStep's constructor).

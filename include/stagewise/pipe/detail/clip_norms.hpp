@@ -38,7 +38,8 @@ inline void refuse_local_clip(optim::FusedStep& fused, const runtime::Processes&
 // What each process sends in a clip's norm gather, as float64 numbers (exact for every norm's
 // dtype): max_norm, norm_type, how many of the fused step's parameters lie outside this
 // process's stages, how many it has; then per stage it runs, the stage's index j, the count k of
-// its norms and k pairs (dtype code, norm), in the stage's parameter order.
+// its norms and k triples (the parameter's place in the stage, dtype code, norm), in the stage's
+// parameter order.
 constexpr std::int64_t kNormHeader = 4;
 
 // This process's numbers: `stage_params[j]` stage j's parameters (empty: not here), `fused` the
@@ -58,12 +59,13 @@ inline torch::Tensor norm_values(const runtime::Processes& here,
     v.push_back(static_cast<double>(j));
     const std::size_t count_at = v.size();
     v.push_back(0.0);
-    for (const auto& p : stage_params[j]) {
-      auto it = index.find(p.unsafeGetTensorImpl());
+    for (std::size_t q = 0; q < stage_params[j].size(); ++q) {
+      auto it = index.find(stage_params[j][q].unsafeGetTensorImpl());
       if (it == index.end()) continue;  // not stepped by this fused step: not clipped either
       ++placed;
       const auto& n = mine.at(it->second);
-      if (!n.defined()) continue;  // no gradient this step
+      if (!n.defined()) continue;  // no gradient this step (or, sharded, another replica's)
+      v.push_back(static_cast<double>(q));
       v.push_back(static_cast<double>(static_cast<int>(n.scalar_type())));
       v.push_back(n.detach().to(torch::kCPU, torch::kDouble).item<double>());
       v[count_at] += 1.0;
@@ -74,8 +76,10 @@ inline torch::Tensor norm_values(const runtime::Processes& here,
   return torch::tensor(v, torch::kDouble);
 }
 
-// The norms to total from every process's numbers (`all`, in rank order): each stage's from the
-// first process that sent it, in stage order; every refusal on every process alike.
+// The norms to total from every process's numbers (`all`, in rank order): each parameter's from
+// the first process that sent it (replicas that share averaged gradients all send it; sharded,
+// only its owner has it), in stage order and, within a stage, parameter order; every refusal on
+// every process alike.
 inline std::vector<torch::Tensor> stage_norms(const std::vector<torch::Tensor>& all,
                                              std::size_t stages, double max_norm,
                                              double norm_type, const std::string& where) {
@@ -92,9 +96,9 @@ inline std::vector<torch::Tensor> stage_norms(const std::vector<torch::Tensor>& 
                 " parameters outside this rank's stages; build it over pipe->parameters() (or a "
                 "part of them)");
   }
-  // Stage j's norms: k pairs from `first[j]` on, from the first rank that runs it.
-  std::vector<const double*> first(stages, nullptr);
-  std::vector<std::int64_t> count(stages, 0);
+  // Per stage: each parameter's place -> (dtype code, norm), from the first rank that sent it.
+  std::vector<std::map<std::int64_t, std::pair<int, double>>> found(stages);
+  std::vector<char> sent(stages, 0);
   for (std::size_t r = 0; r < all.size(); ++r) {
     const double* v = at[r];
     TORCH_CHECK(v[0] == max_norm && v[1] == norm_type, where, ": rank ", r,
@@ -104,23 +108,25 @@ inline std::vector<torch::Tensor> stage_norms(const std::vector<torch::Tensor>& 
     for (std::int64_t i = kNormHeader; i < n;) {
       const auto j = static_cast<std::int64_t>(v[i]);
       const auto k = i + 1 < n ? static_cast<std::int64_t>(v[i + 1]) : -1;
-      TORCH_CHECK(k >= 0 && i + 2 + 2 * k <= n, where, ": rank ", r,
+      TORCH_CHECK(k >= 0 && i + 2 + 3 * k <= n, where, ": rank ", r,
                   "'s gradient norms are garbled; every rank must run the same program");
       TORCH_CHECK(j >= 0 && static_cast<std::size_t>(j) < stages, where, ": rank ", r,
                   " sent the norms of stage ", j, " of a pipe of ", stages, " stages");
-      if (first[static_cast<std::size_t>(j)] == nullptr) {
-        first[static_cast<std::size_t>(j)] = v + i + 2;
-        count[static_cast<std::size_t>(j)] = k;
+      sent[static_cast<std::size_t>(j)] = 1;
+      for (std::int64_t e = 0; e < k; ++e) {
+        const double* t = v + i + 2 + 3 * e;
+        found[static_cast<std::size_t>(j)].emplace(static_cast<std::int64_t>(t[0]),
+                                                   std::make_pair(static_cast<int>(t[1]), t[2]));
       }
-      i += 2 + 2 * k;
+      i += 2 + 3 * k;
     }
   }
   std::vector<torch::Tensor> norms;
   for (std::size_t j = 0; j < stages; ++j) {
-    TORCH_CHECK(first[j] != nullptr, where, ": no rank sent the gradient norms of stage ", j);
-    for (std::int64_t e = 0; e < count[j]; ++e) {
-      const auto dtype = static_cast<c10::ScalarType>(static_cast<int>(first[j][2 * e]));
-      norms.push_back(torch::full({}, first[j][2 * e + 1], torch::kDouble).to(dtype));
+    TORCH_CHECK(sent[j] != 0, where, ": no rank sent the gradient norms of stage ", j);
+    for (const auto& [q, norm] : found[j]) {
+      const auto dtype = static_cast<c10::ScalarType>(norm.first);
+      norms.push_back(torch::full({}, norm.second, torch::kDouble).to(dtype));
     }
   }
   return norms;
@@ -132,10 +138,11 @@ inline std::vector<torch::Tensor> stage_norms(const std::vector<torch::Tensor>& 
 // store, for C10dTransport). Null in one process: the fused step's own order is the pipe's.
 // Otherwise each process sends, per stage it runs, the norms of the stage's parameters (in the
 // stage's parameter order, those in the fused step with a gradient), exactly; every process then
-// takes each stage's norms from the first process (in rank order) that runs it (with
-// data-parallel replicas: the first replica's, whose averaged gradients every replica shares)
-// and lists them in stage order: the list a one-process pipe's fused step over
-// pipe->parameters() totals. max_norm and norm_type must be the same on every process.
+// takes each parameter's norm from the first process (in rank order) that sent it (with
+// data-parallel replicas: the first replica's, whose averaged gradients every replica shares;
+// with sharded state, its owner's, the only one that has it) and lists them in stage order: the
+// list a one-process pipe's fused step over pipe->parameters() totals. max_norm and norm_type
+// must be the same on every process.
 inline optim::NormGather stage_norm_gather(
     const runtime::Processes& here,
     const std::vector<std::unique_ptr<runtime::StageRuntime>>& stages,

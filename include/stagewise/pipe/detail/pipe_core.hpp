@@ -238,6 +238,7 @@ class PipeCore : public PlacedStages {
     return {who_,
             {stages_, entries_, prefixes_, plan, here.rank, replica},
             replicas_.writes_stage_files(),
+            replicas_.sharded(),
             {stages_, signatures_, format1_plan()},
             [this](const std::string& what, const std::string& mine) {
               return transport_->gather(who_ + "::" + what, mine);
@@ -275,7 +276,11 @@ class PipeCore : public PlacedStages {
     }
     step.loss_fn = std::move(loss_fn);
     if (scaler_ != nullptr) step.loss_scale = detail::step_loss_scale(*scaler_, stages_);
-    if (replicas_.many()) step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
+    if (replicas_.many()) {
+      step.gradients_ready = [this](int j) { replicas_.gradients_ready(j); };
+      step.parameters_needed = [this](int j) { replicas_.wait_parameters(j); };
+      step.weight_pass = [this](int j, bool begin) { replicas_.weight_pass(j, begin); };
+    }
     step.training = is_training();
     step.stops = checkpoint_stops(resolved_.checkpoints, m, step.training);
     return step;

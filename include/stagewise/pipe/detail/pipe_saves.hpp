@@ -49,6 +49,7 @@ struct PipeSaves {
   const std::string& who;  // opens errors: "<who>::save: "
   SaveView view;
   bool writes_stage_files = true;  // false on replicas after the first: they only read them
+  bool sharded = false;  // replicas shard the optimizer's state: each writes its owned share
   Format1View format1;
   Gather gather;  // every process's `mine` in rank order, under the same `what`
 
@@ -126,15 +127,20 @@ struct PipeSaves {
 
  private:
   // This process's files: its stages' tensors and optimizer state (unless another replica
-  // writes them), then its generators.
+  // writes them; sharded, every replica writes the state it owns), then its generators.
   void write_parts(const std::string& dir, const SaveOptimizer* optimizer) const {
     const std::string writer = "." + std::to_string(view.rank);
-    for (std::size_t j = 0; j < view.stages.size() && writes_stage_files; ++j) {
+    for (std::size_t j = 0; j < view.stages.size(); ++j) {
       if (!view.stages[j]) continue;
       const auto tensors = view.tensors_of(j);
-      write_tensors(tensors, j, save_file(dir, stage_name(j)), writer);
-      if (optimizer)
+      if (writes_stage_files) write_tensors(tensors, j, save_file(dir, stage_name(j)), writer);
+      if (!optimizer) continue;
+      if (sharded) {
+        write_states(tensors, *optimizer, j, save_file(dir, optimizer_name(j, view.replica)),
+                     writer);
+      } else if (writes_stage_files) {
         write_states(tensors, *optimizer, j, save_file(dir, optimizer_name(j)), writer);
+      }
     }
     torch::serialize::OutputArchive a, rng;
     a.write("format", c10::IValue(kSaveFormat));
@@ -152,8 +158,13 @@ struct PipeSaves {
     x.entries = view.entries;
     for (std::size_t j = 0; j < view.entries.size(); ++j) {
       x.files.push_back({stage_name(j)});
-      x.state_files.push_back(optimizer ? std::vector<std::string>{optimizer_name(j)}
-                                        : std::vector<std::string>{});
+      std::vector<std::string> states;
+      if (optimizer && sharded) {
+        for (int i = 0; i < view.plan.replicas; ++i) states.push_back(optimizer_name(j, i));
+      } else if (optimizer) {
+        states.push_back(optimizer_name(j));
+      }
+      x.state_files.push_back(std::move(states));
     }
     for (std::int64_t r = 0; r < view.plan.processes; ++r) {
       x.rank_files.push_back(rank_name(static_cast<int>(r)));

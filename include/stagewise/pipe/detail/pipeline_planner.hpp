@@ -7,6 +7,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/error_context.hpp"
+#include "stagewise/optim/shard_owners.hpp"
 #include "stagewise/pipe/detail/plan_search.hpp"
 #include "stagewise/pipe/pipeline_plan.hpp"
 #include "stagewise/pipe/plan_options.hpp"
@@ -29,6 +30,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -111,15 +113,36 @@ inline std::vector<double> layer_step_seconds(const torch::nn::Sequential& model
   return out;
 }
 
-// What each stage holds besides its cells, from its costs and the optimizer.
+// The share of `bytes` (a stage's tensors) the most loaded of `d` replicas owns when they shard it
+// (optim::shard_owners); 0 when unknown.
+inline double owned_share(const std::vector<double>& bytes, int d) {
+  if (bytes.empty() || d <= 1) return 0;
+  std::vector<std::int64_t> b;
+  for (double x : bytes) b.push_back(static_cast<std::int64_t>(x));
+  const auto loads = optim::shard_loads(b, optim::shard_owners(b, d), d);
+  const auto total = std::accumulate(b.begin(), b.end(), std::int64_t{0});
+  if (total == 0) return 0;
+  return static_cast<double>(*std::max_element(loads.begin(), loads.end())) /
+         static_cast<double>(total);
+}
+
+// What each stage holds besides its cells, from its costs and the optimizer (and, with
+// replicas, what one replica holds: schedule::replica_state).
 inline std::vector<schedule::StageState> stage_states(const std::vector<StageCosts>& costs,
                                                       const PlanOptions& o) {
   std::vector<schedule::StageState> out;
   for (const auto& c : costs) {
-    out.push_back({.params = c.param_bytes,
-                   .grads = c.param_bytes,
-                   .optimizer = o.state_per_param() * c.param_bytes,
-                   .step_working = o.step_temporaries() * c.largest_param_bytes});
+    const schedule::StageState whole{.params = c.param_bytes,
+                                     .grads = c.param_bytes,
+                                     .optimizer = o.state_per_param() * c.param_bytes,
+                                     .step_working = o.step_temporaries() * c.largest_param_bytes};
+    out.push_back(
+        schedule::replica_state(whole, {.replicas = o.replicas(),
+                                        .shard_optimizer_state = o.shard_optimizer_state(),
+                                        .shard_gradients = o.shard_gradients(),
+                                        .bucket_bytes = static_cast<double>(o.bucket_bytes()),
+                                        .largest_tensor = c.largest_param_bytes,
+                                        .owned_share = owned_share(c.tensor_bytes, o.replicas())}));
   }
   return out;
 }
@@ -266,7 +289,12 @@ class PipelinePlanner {
       in.step_seconds.push_back(t);
       first += static_cast<std::size_t>(layers);
     }
-    in.fused = fused;
+    // With replicas the fused step runs after the reduction, at the step's end, as an unfused
+    // step (and a sharded one steps the replica's shard: about 1/d of the time).
+    in.fused = fused && options_.replicas() == 1;
+    if (options_.shard_optimizer_state()) {
+      for (auto& t : in.step_seconds) t /= options_.replicas();
+    }
     in.may_offload = options_.store().has_value();
     in.store_speed = options_.store_speed();
     in.cap = usable_;
@@ -320,6 +348,9 @@ class PipelinePlanner {
     plan.offload_costs = f.copies;
     plan.fused_step = f.fused;
     plan.optimizer = options_.optimizer_name();
+    plan.replicas = options_.replicas();
+    plan.shard_optimizer_state = options_.shard_optimizer_state();
+    plan.shard_gradients = options_.shard_gradients();
     plan.cap = options_.memory_per_worker();
     plan.step_seconds = f.weighed.weight.time;
     plan.memory = f.weighed.weight.memory;

@@ -36,6 +36,10 @@ inline std::string stage_name(std::size_t stage) {
 inline std::string optimizer_name(std::size_t stage) {
   return "stage" + std::to_string(stage) + ".optimizer.pt";
 }
+// With the optimizer's state sharded over data-parallel replicas, each replica's share.
+inline std::string optimizer_name(std::size_t stage, int replica) {
+  return "stage" + std::to_string(stage) + ".optimizer.replica" + std::to_string(replica) + ".pt";
+}
 inline std::string rank_name(int rank) {
   return "rank" + std::to_string(rank) + ".pt";
 }

@@ -1,6 +1,9 @@
 #pragma once
 
+#include "stagewise/optim/clip.hpp"
 #include "stagewise/optim/fused_step.hpp"
+#include "stagewise/pipe/detail/clip_norms.hpp"
+#include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/gradient_reducer.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
@@ -50,9 +53,29 @@ struct DataParallelOptions {
     connect_.backend = b;
     return *this;
   }
+  /// Shards the optimizer state and the gradients over the ranks (ZeRO-2): each parameter is
+  /// owned by one rank (whole tensors balanced by size, `optim::shard_owners`); a backward brings
+  /// each bucket's averaged gradients to their owners only and frees every other copy at once;
+  /// the optimizer (`distributed::Sharded<torch::optim::Adam>`, or a fused step given to
+  /// `step_with`) keeps state for the owned parameters only and steps them, and their new values
+  /// are then sent from the owners to every rank. Off by default. See docs/distributed.md,
+  /// "Sharded state".
+  ///   sw::distributed::DataParallelOptions().shard_optimizer_state(true)
+  DataParallelOptions& shard_optimizer_state(bool on) {
+    reducer_.shard = on;
+    return *this;
+  }
+  /// How sharded gradients reach their owners (default `runtime::ReduceScatter::reduce`; see
+  /// there for what each costs).
+  DataParallelOptions& reduce_scatter(runtime::ReduceScatter how) {
+    reducer_.reduce_scatter = how;
+    return *this;
+  }
 
   std::int64_t bucket_bytes() const { return reducer_.bucket_bytes; }
   bool unused_parameters() const { return reducer_.unused_parameters; }
+  bool shard_optimizer_state() const { return reducer_.shard; }
+  runtime::ReduceScatter reduce_scatter() const { return reducer_.reduce_scatter; }
   const runtime::ConnectOptions& connect() const { return connect_; }
   const runtime::ReducerOptions& reducer() const { return reducer_; }
 
@@ -90,8 +113,8 @@ class DataParallel {
                DataParallelOptions options = {})
       : connection_(std::move(connection)), module_(std::move(module)) {
     const auto& who = options.reducer().who;
-    runtime::check_same_model(connection_, {runtime::stage_signature(*module_)},
-                              "stagewise/data_parallel/" + std::to_string(instance()++),
+    const auto key = "stagewise/data_parallel/" + std::to_string(instance()++);
+    runtime::check_same_model(connection_, {runtime::stage_signature(*module_)}, key,
                               options.connect().timeout);
     broadcast_from_rank0(who);
     std::vector<torch::Tensor> params;
@@ -103,6 +126,10 @@ class DataParallel {
     }
     reducer_ = std::make_unique<runtime::GradientReducer>(
         connection_.collectives, std::move(params), std::move(names), options.reducer());
+    runtime::check_same_sharding(connection_, reducer_->sharding(), key + "/shard",
+                                 options.connect().timeout, who,
+                                 "DataParallelOptions().shard_optimizer_state(...) and "
+                                 "reduce_scatter(...)");
   }
 
   /// Runs the module's forward and marks its output tensors, so that their backward averages the
@@ -126,6 +153,12 @@ class DataParallel {
   ///   sw::optim::FusedStep fused(model->parameters(), torch::optim::AdamOptions(1e-3));
   ///   dp.step_with(fused);
   ///   loss_fn(dp.forward(x), y).backward();  // averaged, stepped, gradients freed
+  ///
+  /// With `shard_optimizer_state(true)` each rank steps only the parameters it owns (and keeps
+  /// `fused`'s state for those alone: its save holds them, its load keeps them), sending each
+  /// bucket's new values to every rank as soon as they are stepped; backward returns once every
+  /// rank has them. `optim::clip_grad_norm_step(fused, closure, max_norm)` and a GradScaler's
+  /// `step(fused, closure)` then total their norms and inf/NaN checks over every rank.
   void step_with(optim::FusedStep& fused) {
     std::vector<std::size_t> slot;
     for (const auto& p : module_->named_parameters(/*recurse=*/true)) {
@@ -133,8 +166,67 @@ class DataParallel {
       slot.push_back(fused.index_of(p.value(), "DataParallel::step_with"));
     }
     fused.detach();
+    ::stagewise::detail::FusedStepAccess::set_driven(fused, true);  // clips and scalers run
+    auto step = [&fused, slot](std::size_t i) { fused.step_parameter(slot[i]); };
+    if (!reducer_->sharded()) {
+      reducer_->set_after_reduce(std::move(step));
+      return;
+    }
+    std::vector<char> owned(fused.size(), 0);
+    for (std::size_t k = 0; k < slot.size(); ++k) owned[slot[k]] = reducer_->owns(k) ? 1 : 0;
+    const auto norms = norm_gather(fused.parameters());
+    ::stagewise::detail::FusedStepAccess::set_shard(
+        fused, std::move(owned),
+        [norms, &fused](const std::vector<torch::Tensor>& mine) {
+          return norms(mine, 0.0,
+                       ::stagewise::detail::FusedStepAccess::state(fused).shared.norm_type);
+        },
+        found_inf_sum());
+    // Stepped buckets go to every rank at once (not after a clip's norm pass, which steps
+    // nothing); backward returns once all have arrived.
     reducer_->set_after_reduce(
-        [&fused, slot = std::move(slot)](std::size_t i) { fused.step_parameter(slot[i]); });
+        std::move(step),
+        [&fused] { return !::stagewise::detail::FusedStepAccess::in_norm_pass(fused); },
+        /*wait=*/true);
+  }
+
+  /// With `shard_optimizer_state(true)`: what a sharded optimizer steps (`Sharded<Optimizer>`
+  /// takes it): the module's parameters, which this rank owns, and how the ranks exchange
+  /// updated parameters, inf/NaN checks and gradient norms.
+  ///   sw::distributed::Sharded<torch::optim::SGD> sgd(dp, torch::optim::SGDOptions(0.1));
+  ShardedParameters sharded_parameters() {
+    ShardedParameters s;
+    s.who = "stagewise::distributed::DataParallel";
+    TORCH_CHECK(reducer_->sharded(), s.who,
+                ": the optimizer state is not sharded; build DataParallel with "
+                "DataParallelOptions().shard_optimizer_state(true), or use an unsharded optimizer");
+    s.replicas = world_size();
+    s.replica = rank();
+    std::size_t k = 0;  // index among the trainable parameters (the reducer's)
+    for (const auto& p : module_->named_parameters(/*recurse=*/true)) {
+      s.parameters.push_back(p.value());
+      s.names.push_back(p.key());
+      s.owned.push_back(p.value().requires_grad() && reducer_->owns(k) ? 1 : 0);
+      if (p.value().requires_grad()) ++k;
+    }
+    s.send_updated = [this] {
+      reducer_->gather_parameters();
+      reducer_->wait_parameters();  // every rank has them when the step returns
+    };
+    s.sum_found_inf = found_inf_sum();
+    s.norms = norm_gather(s.parameters);
+    return s;
+  }
+
+  /// With `shard_optimizer_state(true)`: the trainable parameters this rank owns (keeps optimizer
+  /// state for and steps); all of them without.
+  std::vector<torch::Tensor> owned_parameters() const {
+    std::vector<torch::Tensor> out;
+    const auto params = reducer_->parameters();
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      if (reducer_->owns(k)) out.push_back(params[k]);
+    }
+    return out;
   }
 
   /// Marks one tensor computed from the module (for outputs `forward` cannot see into).
@@ -201,6 +293,38 @@ class DataParallel {
     runtime::broadcast_each(connection_.collectives, all, /*root=*/0);
   }
 
+  // Every rank's sum of a one-element inf/NaN count (one all-reduce).
+  std::function<torch::Tensor(const torch::Tensor&)> found_inf_sum() {
+    return [this](const torch::Tensor& found) {
+      std::vector<at::Tensor> one{found.to(device(), torch::kFloat, false, /*copy=*/true)};
+      connection_.collectives.all_reduce_sum(one)->wait();
+      return one.front();
+    };
+  }
+
+  // Every rank's gradient norms of `params` (this rank's: `mine`), merged in their order: each
+  // parameter's norm from the one rank that has it (its owner).
+  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&, double, double)>
+  norm_gather(std::vector<torch::Tensor> params) {
+    return [this, params = std::move(params)](const std::vector<torch::Tensor>& mine,
+                                              double max_norm, double norm_type) {
+      const runtime::Processes here{rank(), world_size(), {}};
+      const auto values = ::stagewise::detail::norm_values(here, {module_->parameters()}, params,
+                                                           mine, max_norm, norm_type);
+      const auto all = runtime::all_gather_values(
+          connection_.collectives, values, device(),
+          [](const c10::intrusive_ptr<c10d::Work>& w) { w->wait(); }, norm_room_);
+      return ::stagewise::detail::stage_norms(all, 1, max_norm, norm_type,
+                                              "stagewise::distributed::DataParallel");
+    };
+  }
+
+  // Where the ranks' collectives run: the parameters' device (NCCL reduces GPU tensors only).
+  torch::Device device() const {
+    const auto params = reducer_->parameters();
+    return params.empty() ? torch::Device(torch::kCPU) : params.front().device();
+  }
+
   torch::Tensor mark_all(torch::Tensor t) { return reducer_->mark(t); }
   std::vector<torch::Tensor> mark_all(std::vector<torch::Tensor> ts) {
     for (auto& t : ts) t = reducer_->mark(t);
@@ -219,6 +343,7 @@ class DataParallel {
   runtime::Connection connection_;
   ModuleHolder module_;
   std::unique_ptr<runtime::GradientReducer> reducer_;
+  std::int64_t norm_room_ = 0;  // numbers per rank of the norm gathers (all_gather_values)
 };
 
 }  // namespace stagewise::distributed

@@ -1,7 +1,10 @@
 #pragma once
 
+#include "stagewise/pipe/detail/clip_norms.hpp"
 #include "stagewise/pipe/distributed/detail/agreed_plan.hpp"
 #include "stagewise/pipe/distributed/detail/replica_gradients.hpp"
+#include "stagewise/pipe/distributed/options.hpp"
+#include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
 #include "stagewise/pipe/pipeline_plan.hpp"
@@ -34,90 +37,6 @@
 #include <vector>
 
 namespace stagewise::distributed {
-
-/// Options of a distributed pipe, beyond the one-process `PipeOptions`.
-///   stagewise::distributed::Options().virtual_stages(2).timeout(std::chrono::seconds(10))
-struct Options {
-  /// Stages per rank: 1 (default; GPipe, 1F1B, ZB-H1) or v for `interleaved_one_f_one_b{v}`,
-  /// which runs stages r, r + K, ... on rank r of K.
-  Options& virtual_stages(int v) {
-    virtual_stages_ = v;
-    return *this;
-  }
-  /// How long a rank waits for a message, and for the others at start-up (default 30 s): after
-  /// it, every rank fails with an error naming the rank that did not answer.
-  Options& timeout(std::chrono::milliseconds t) {
-    transport_.timeout(t);
-    connect_.timeout = t;
-    return *this;
-  }
-  /// The transport's options (poll interval, device of received tensors, store key prefix).
-  Options& transport(runtime::C10dOptions t) {
-    transport_ = std::move(t);
-    return *this;
-  }
-  /// Places the stages on ranks as schedule `s` places them on workers, for schedules whose
-  /// placement is not stage j on rank j % K: the V-shaped `zero_bubble_v` and `dualpipe_v` (rank
-  /// w runs stages w and 2K-1-w). Overrides virtual_stages; train_step then takes a schedule
-  /// with the same placement.
-  ///   stagewise::distributed::Options().placed_like(stagewise::schedule::zero_bubble_v{})
-  template <schedule::pipeline_schedule S>
-  Options& placed_like(const S& s) {
-    placement_ = [s](int stages) { return schedule::placement_of(s, stages); };
-    return *this;
-  }
-  /// The backend `connect` builds when the pipe rendezvouses itself (Gloo by default).
-  Options& backend(runtime::Backend b) {
-    connect_.backend = b;
-    return *this;
-  }
-
-  /// Runs `d` replicas of the pipeline (data parallel × pipeline parallel) on K·d ranks, K ranks
-  /// per replica: rank r is rank r % K of replica r / K (replica-major). Each replica trains on
-  /// its own rows of the global batch (`PipeImpl::shard`); after a stage's last backward of a
-  /// step, its replicas average its gradients over their own group (in buckets, while the other
-  /// stages still compute), and the loss returned is the mean over the whole global batch.
-  /// Default 1: one replica on K ranks.
-  ///   stagewise::distributed::Options().data_parallel(2)  // tools/launch -n 4 for 2 stages
-  Options& data_parallel(int d) {
-    TORCH_CHECK(d >= 1, "stagewise::distributed::Options::data_parallel: ", d,
-                " replicas; give 1 or more");
-    replicas_ = d;
-    return *this;
-  }
-  /// Bytes of gradients per all-reduce between replicas (default 25 MiB; see DataParallel).
-  Options& bucket_bytes(std::int64_t b) {
-    reducer_.bucket_bytes = b;
-    return *this;
-  }
-  /// Lets a stage's parameter get a gradient in some replicas and not others (the others add
-  /// zeros); otherwise such a step is an error naming it. See DataParallelOptions.
-  Options& unused_parameters(bool on) {
-    reducer_.unused_parameters = on;
-    return *this;
-  }
-
-  /// What the setters above set, read back (as `PipeOptions`' getters are).
-  int data_parallel() const { return replicas_; }
-  const runtime::ReducerOptions& reducer() const { return reducer_; }
-  int virtual_stages() const { return virtual_stages_; }
-  /// Every stage's rank for a number of stages (`placed_like`); null: stage j on rank
-  /// j % (stages / v).
-  const std::function<std::vector<int>(int)>& placement() const { return placement_; }
-  const runtime::C10dOptions& transport() const { return transport_; }
-  /// The rendezvous options (`backend`, `timeout`).
-  const runtime::ConnectOptions& connect() const { return connect_; }
-
- private:
-  int virtual_stages_ = 1;
-  int replicas_ = 1;
-  runtime::ReducerOptions reducer_{.who = "stagewise::distributed::Pipe",
-                                   .from_backward = false,
-                                   .unused_fix = "distributed::Options().unused_parameters(true)"};
-  std::function<std::vector<int>(int)> placement_;
-  runtime::C10dOptions transport_;
-  runtime::ConnectOptions connect_;
-};
 
 /// The distributed pipeline, behind the `Pipe` holder (used as `pipe->`, like the one-process
 /// `stagewise::Pipe`): its stages live in separate processes (ranks), on one machine or several.
@@ -198,6 +117,45 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
     return replicas_.bytes_last_step();
   }
 
+  /// With `Options().shard_optimizer_state(true)`: what a sharded optimizer steps
+  /// (`distributed::Sharded<Optimizer>` takes the pipe): this rank's stages' parameters (as
+  /// `parameters()` lists them), which this replica owns, and how the ranks exchange updated
+  /// parameters (waited for before each stage's next forward), inf/NaN checks (over every rank)
+  /// and gradient norms (every stage and shard).
+  ///   sw::distributed::Sharded<torch::optim::Adam> adam(pipe, torch::optim::AdamOptions(1e-3));
+  ShardedParameters sharded_parameters() {
+    ShardedParameters s;
+    s.who = "stagewise::distributed::Pipe";
+    TORCH_CHECK(replicas_.sharded(), s.who,
+                ": the optimizer state is not sharded; build the pipe with "
+                "distributed::Options().data_parallel(d).shard_optimizer_state(true), or use an "
+                "unsharded optimizer");
+    s.replicas = replicas();
+    s.replica = replica();
+    for (const auto& p : named_parameters(/*recurse=*/true)) {
+      s.parameters.push_back(p.value());
+      s.names.push_back(p.key());
+      s.owned.push_back(p.value().requires_grad() && replicas_.owns(p.value()) ? 1 : 0);
+    }
+    s.send_updated = [this] { replicas_.send_updated(); };
+    s.sum_found_inf = found_inf_reduction();
+    s.norms = [this, params = s.parameters](const std::vector<torch::Tensor>& mine, double max_norm,
+                                            double norm_type) {
+      auto gather = [this](const std::string& what, const torch::Tensor& values) {
+        return runtime::gather_values(*transport_, who_ + "::" + what, values);
+      };
+      return ::stagewise::detail::stage_norm_gather(transport_->processes(), stages_, params,
+                                                    gather, max_norm, norm_type,
+                                                    who_ + "::clip_grad_norm_")(mine);
+    };
+    return s;
+  }
+
+  /// With `Options().shard_optimizer_state(true)`: waits until every stage here holds its
+  /// owners' updates of the last step. Each stage's next forward, `save` and `load` wait for them
+  /// themselves; call it before reading the parameters otherwise (evaluating, printing).
+  void wait_parameters() { replicas_.wait_parameters(-1); }
+
   /// Which rank runs which stages of which replica, and which ranks give the input and the
   /// target, one line per rank (every rank returns the whole layout).
   ///   if (pipe->rank() == 0) std::cout << pipe->layout();
@@ -272,9 +230,10 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
                       std::to_string(workers_));
     build(std::move(p.resolved));
     if (p.column) {
-      replicas_ = detail::ReplicaGradients(std::move(*p.column), dist_.data_parallel(), stages_,
-                                           transport_.get(), dist_.reducer(),
-                                           dist_.transport().device(), where_);
+      replicas_ = detail::ReplicaGradients(
+          std::move(*p.column), dist_.data_parallel(), stages_, transport_.get(), dist_.reducer(),
+          dist_.transport().device(), where_, dist_.transport().prefix() + "/shard",
+          dist_.connect().timeout);
     }
   }
 
@@ -283,6 +242,10 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   static Prepared prepare(runtime::Connection job, const torch::nn::Sequential& seq,
                           const balance& b, const PipeOptions& options, const Options& dist) {
     const int d = dist.data_parallel();
+    TORCH_CHECK(!dist.shard_optimizer_state() || d > 1,
+                "stagewise::distributed::Pipe: Options().shard_optimizer_state(true) shards each "
+                "stage's optimizer state over its data-parallel replicas, but the pipe has one "
+                "(data_parallel(1)); set data_parallel(d) with d > 1, or leave it off");
     Prepared p;
     p.resolved = ::stagewise::detail::resolve_pipe(
         options,
@@ -369,11 +332,36 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const PipelinePlan& plan,
        Options dist = {})
       : Pipe(connection, seq,
-             detail::agreed_plan(connection, plan, dist.transport().prefix() + "/plan",
-                                 dist.connect().timeout),
+             detail::agreed_plan(connection, counted_as_built(plan, dist),
+                                 dist.transport().prefix() + "/plan", dist.connect().timeout),
              dist, 0) {}
 
  private:
+  // The replicas and sharding the plan counted memory for (`PlanOptions().replicas(d)`) are the
+  // pipe's: a plan for sharded replicas would not fit unsharded ones. A plan that counted none
+  // (replicas 1, the planner's default) is a replica's plan that leaves out what replicas add.
+  static const PipelinePlan& counted_as_built(const PipelinePlan& plan, const Options& dist) {
+    if (plan.replicas == 1 && !plan.shard_optimizer_state) return plan;
+    auto describe = [](int d, bool state, bool grads) {
+      std::string s = "data_parallel(" + std::to_string(d) + ")";
+      if (grads) return s + ".shard_gradients(true)";
+      if (state) return s + ".shard_optimizer_state(true)";
+      return s;
+    };
+    const auto planned = describe(plan.replicas, plan.shard_optimizer_state, plan.shard_gradients);
+    const auto built =
+        describe(dist.data_parallel(), dist.shard_optimizer_state(), dist.shard_gradients());
+    TORCH_CHECK(planned == built,
+                "stagewise::distributed::Pipe: the plan counts each worker's "
+                "memory for ",
+                planned,
+                " (PlanOptions().replicas and sharding) but the pipe is "
+                "built with ",
+                built, "; build it with distributed::Options().", planned,
+                ", or plan for the pipe you build");
+    return plan;
+  }
+
   Pipe(const runtime::Connection& connection, const torch::nn::Sequential& seq,
        const PipelinePlan& agreed, const Options& dist, int)
       : Pipe(connection, seq, agreed.split, agreed.options(), dist) {}

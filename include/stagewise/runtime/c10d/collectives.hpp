@@ -23,21 +23,27 @@ namespace stagewise::runtime {
 ///   static_assert(stagewise::runtime::collective_group<c10d::ProcessGroupGloo>);
 template <class G>
 concept collective_group = requires(G& g, std::vector<at::Tensor>& t,
-                                    std::vector<std::vector<at::Tensor>>& out,
+                                    std::vector<std::vector<at::Tensor>>& out, at::Tensor& one,
+                                    std::vector<std::int64_t>& counts,
                                     const c10d::AllreduceOptions& a,
                                     const c10d::BroadcastOptions& b,
-                                    const c10d::AllgatherOptions& ag) {
+                                    const c10d::AllgatherOptions& ag, const c10d::ReduceOptions& r,
+                                    const c10d::AllToAllOptions& aa) {
   { g.allreduce(t, a) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.broadcast(t, b) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.allgather(out, t, ag) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
+  { g.reduce(t, r) } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
+  {
+    g.alltoall_base(one, one, counts, counts, aa)
+    } -> std::convertible_to<c10::intrusive_ptr<c10d::Work>>;
   { g.getRank() } -> std::convertible_to<int>;
   { g.getSize() } -> std::convertible_to<int>;
 };
 
 /// The collectives stagewise needs from a process group, whatever its class in this LibTorch
-/// version: a summing all-reduce, a broadcast and an all-gather, each started asynchronously
-/// (wait on the returned work), plus this process's rank and the group's size. Empty (`!*this`)
-/// when default-constructed.
+/// version: a summing all-reduce, a broadcast, an all-gather, a summing reduce to one rank and an
+/// all-to-all of uneven pieces, each started asynchronously (wait on the returned work), plus
+/// this process's rank and the group's size. Empty (`!*this`) when default-constructed.
 ///   stagewise::runtime::Collectives c(my_process_group);
 ///   auto work = c.all_reduce_sum(tensors);
 ///   work->wait();
@@ -60,6 +66,17 @@ class Collectives {
         all_gather_([group](std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& t) {
           return c10::intrusive_ptr<c10d::Work>(group->allgather(out, t, c10d::AllgatherOptions()));
         }),
+        reduce_([group](std::vector<at::Tensor>& t, int root) {
+          c10d::ReduceOptions o;
+          o.reduceOp = c10d::ReduceOp::SUM;
+          o.rootRank = root;
+          return c10::intrusive_ptr<c10d::Work>(group->reduce(t, o));
+        }),
+        all_to_all_([group](at::Tensor& out, at::Tensor& in, std::vector<std::int64_t>& out_counts,
+                            std::vector<std::int64_t>& in_counts) {
+          return c10::intrusive_ptr<c10d::Work>(
+              group->alltoall_base(out, in, out_counts, in_counts, c10d::AllToAllOptions()));
+        }),
         rank_(group->getRank()),
         size_(group->getSize()) {}
 
@@ -80,6 +97,19 @@ class Collectives {
                                             std::vector<at::Tensor>& tensors) const {
     return all_gather_(out, tensors);
   }
+  /// Starts summing `tensors` over the group into rank `root`'s, in place (the others' are left
+  /// with partial sums: scratch). Every rank passes tensors of the same shapes.
+  c10::intrusive_ptr<c10d::Work> reduce_sum(std::vector<at::Tensor>& tensors, int root) const {
+    return reduce_(tensors, root);
+  }
+  /// Starts sending piece r of `input` (its first dimension cut into `in_counts`) to rank r and
+  /// receiving rank r's piece for this rank into piece r of `output` (cut into `out_counts`):
+  /// every rank's `in_counts[r]` equals rank r's `out_counts[me]`.
+  c10::intrusive_ptr<c10d::Work> all_to_all(at::Tensor& output, at::Tensor& input,
+                                            std::vector<std::int64_t>& out_counts,
+                                            std::vector<std::int64_t>& in_counts) const {
+    return all_to_all_(output, input, out_counts, in_counts);
+  }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -89,6 +119,10 @@ class Collectives {
   std::function<c10::intrusive_ptr<c10d::Work>(std::vector<std::vector<at::Tensor>>&,
                                                std::vector<at::Tensor>&)>
       all_gather_;
+  std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>&, int)> reduce_;
+  std::function<c10::intrusive_ptr<c10d::Work>(at::Tensor&, at::Tensor&, std::vector<std::int64_t>&,
+                                               std::vector<std::int64_t>&)>
+      all_to_all_;
   int rank_ = 0;
   int size_ = 1;
 };

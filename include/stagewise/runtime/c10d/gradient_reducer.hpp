@@ -2,7 +2,9 @@
 
 // Averages gradients over a group of ranks in buckets launched during backward, as soon as each
 // bucket's gradients are final, so that communication overlaps the rest of backward. The engine
-// under distributed::DataParallel (any module) and under the data-parallel replicas of a pipe.
+// under distributed::DataParallel (any module) and under the data-parallel replicas of a pipe;
+// sharded (ZeRO), it leaves each average on its parameter's owner only and sends the owners'
+// updated parameters back.
 
 #include "stagewise/runtime/c10d/collectives.hpp"
 #include "stagewise/runtime/c10d/detail/reducer_state.hpp"
@@ -51,7 +53,9 @@ class GradientReducer {
       s.params.push_back(std::move(p));
     }
     s.plan_buckets();
-    if (s.options.from_backward) s.hook_all();
+    TORCH_CHECK(!s.options.reduce_each_pass || (s.options.shard && !s.options.from_backward),
+                s.options.who, ": reduce_each_pass is for a sharded reducer driven by launch()");
+    if (s.options.from_backward || s.options.reduce_each_pass || s.options.shard) s.hook_all();
     std::lock_guard<std::mutex> lock(registry_mutex());
     id_ = next_id()++;
     registry()[id_] = state_;
@@ -90,22 +94,51 @@ class GradientReducer {
                 ": launch() is for a reducer built with ReducerOptions::from_backward false");
     TORCH_CHECK(!s.launched_by_hand, s.options.who,
                 ": launch() was called twice without complete() between");
-    s.start_round();
-    for (std::size_t i = 0; i < s.params.size(); ++i) {
-      s.ready[i] = s.params[i].tensor.grad().defined() ? 1 : 0;
+    if (s.options.reduce_each_pass) {
+      // The passes reduced the gradients already: only the count of ranks that used each one.
+      TORCH_CHECK(s.in_step, s.options.who, ": launch() before any begin_pass()");
+      s.ready = s.used_any;
+      s.in_step = false;
+    } else {
+      s.start_round();
+      for (std::size_t i = 0; i < s.params.size(); ++i) {
+        // A gradient that is still the last reduction's average got nothing new here.
+        const auto& grad = s.params[i].tensor.grad();
+        s.ready[i] = grad.defined() && !s.installed_is(i, grad) ? 1 : 0;
+      }
+      for (auto& b : s.buckets) b.pending = 0;
+      s.launch_ready();
     }
-    for (auto& b : s.buckets) b.pending = 0;
-    s.launch_ready();
     s.launch_counts();
     s.launched_by_hand = true;
   }
+
+  /// With `ReducerOptions::reduce_each_pass`: before and after each backward pass of a step (a
+  /// micro-batch's backward of this reducer's parameters), on the thread that runs it. Between
+  /// them the parameters' gradients leave bucket by bucket as they arrive; `begin_pass` first
+  /// waits (through `wait`, if given) for the previous pass's. Every rank of the group runs the
+  /// same passes in the same order.
+  void begin_pass(const detail::AwaitWork& wait = {}) {
+    state_->begin_pass(
+        wait ? wait
+             : [](const c10::intrusive_ptr<c10d::Work>& w, const std::string&) { w->wait(); });
+  }
+  void end_pass() { state_->end_pass(); }
+  /// Hooks again the parameters whose gradient accumulators changed (a parameter given other
+  /// storage in place, as torch::load does): before a step's backward passes, for a reducer
+  /// driven by launch() (a marked backward does it itself).
+  void rehook() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->hook_all();
+  }
+  /// Whether backward passes are reduced one by one (`ReducerOptions::reduce_each_pass`).
+  bool reduces_each_pass() const { return state_->options.reduce_each_pass; }
 
   /// Waits for what `launch()` started (each through `wait(work, what)` if given, e.g. to fail
   /// as the job's other communication does; else work->wait()), checks that every rank gave a
   /// parameter a gradient or none did (see ReducerOptions::unused_parameters), and writes the
   /// averages into the gradients, calling `set_after_reduce`'s function bucket by bucket.
-  void complete(const std::function<void(const c10::intrusive_ptr<c10d::Work>&,
-                                         const std::string&)>& wait = {}) {
+  void complete(const detail::AwaitWork& wait = {}) {
     auto& s = *state_;
     std::lock_guard<std::mutex> lock(s.mutex);
     TORCH_CHECK(s.launched_by_hand, s.options.who, ": complete() without launch() before it");
@@ -125,11 +158,64 @@ class GradientReducer {
   }
 
   /// Called, at the end of each reducing backward, for every parameter whose averaged gradient
-  /// was written, bucket after bucket as each is written (e.g. to step it: a fused optimizer).
-  /// Between backward passes only.
-  void set_after_reduce(std::function<void(std::size_t)> after) {
+  /// was written, bucket after bucket as each is written (e.g. to step it: a fused optimizer);
+  /// sharded, for the parameters this rank owns. Sharded, `then_gather` (if given) is asked after
+  /// each bucket's calls whether to send the bucket's owned parameters to every rank at once
+  /// (the fused step stepped them; a norm pass did not), and with `wait` the reduction returns
+  /// only once every rank has them. Between backward passes only.
+  void set_after_reduce(std::function<void(std::size_t)> after,
+                        std::function<bool()> then_gather = {}, bool wait = false) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->after_reduce = std::move(after);
+    state_->gather_after_reduce = std::move(then_gather);
+    state_->wait_gathers = wait;
+  }
+
+  /// Sharded (`ReducerOptions::shard`): whether parameter `i` (of `params`) is this rank's, and
+  /// every parameter's owner (a rank of the group).
+  bool sharded() const { return state_->options.shard; }
+  bool owns(std::size_t i) const { return !sharded() || owner_of(i) == state_->group.rank(); }
+  int owner_of(std::size_t i) const {
+    TORCH_CHECK(sharded(), state_->options.who, ": the parameters are not sharded");
+    return state_->params.at(i).owner;
+  }
+
+  /// Sharded: starts sending every owner's parameters to every rank (after the owners stepped
+  /// them), bucket by bucket and owner by owner; every rank calls it at the same point. The
+  /// parameters must not be read before `wait_parameters` returns.
+  void gather_parameters() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TORCH_CHECK(sharded(), state_->options.who,
+                ": gather_parameters() is for sharded parameters (ReducerOptions::shard)");
+    for (const auto& b : state_->buckets) {
+      detail::gather_bucket(state_->gather, state_->group, b, state_->params);
+    }
+  }
+  /// Waits for what `gather_parameters` (or a fused step's gathering) sent, through `wait` if
+  /// given (else work->wait()), and writes the received values into the parameters.
+  void wait_parameters(const detail::AwaitWork& wait = {}) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->gather.wait(
+        wait ? wait
+             : [](const c10::intrusive_ptr<c10d::Work>& w, const std::string&) { w->wait(); });
+  }
+  /// How the parameters are sharded, as ranks compare it (`check_same_sharding`): "not sharded",
+  /// or the group's size, the reduce-scatter and every parameter's owner.
+  std::string sharding() const {
+    const auto& s = *state_;
+    if (!s.options.shard) return "not sharded";
+    static const char* how[] = {"reduce", "all_to_all", "all_reduce"};
+    std::string out = "sharded over " + std::to_string(s.group.size()) + " ranks, reduce_scatter " +
+                      how[static_cast<int>(s.options.reduce_scatter)] +
+                      (s.options.reduce_each_pass ? ", every pass" : "") + ", owners";
+    for (const auto& p : s.params) out += " " + std::to_string(p.owner);
+    return out;
+  }
+
+  /// Whether updated parameters are on their way (sent, not yet waited for).
+  bool parameters_pending() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->gather.pending();
   }
 
   /// The parameters, in the order given.

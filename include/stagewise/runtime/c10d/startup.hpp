@@ -70,6 +70,27 @@ inline void check_same_model(const Connection& c, const std::vector<std::string>
   }
 }
 
+/// Checks, before any step, that every rank sharded the optimizer state alike (`sharding`:
+/// `GradientReducer::sharding()`, which names the owner of every parameter): each rank publishes
+/// its description in the store, and one that differs from rank 0's fails every rank, naming both
+/// and `fix` (the options to set alike). A rank of another stagewise build could own other
+/// parameters; its steps would skip some and step others twice.
+///   stagewise::runtime::check_same_sharding(c, reducer.sharding(), "job/shard", 30s,
+///                                           "stagewise::distributed::DataParallel",
+///                                           "DataParallelOptions().shard_optimizer_state(...)");
+inline void check_same_sharding(const Connection& c, const std::string& sharding,
+                                const std::string& key, std::chrono::milliseconds timeout,
+                                const std::string& who, const std::string& fix) {
+  const auto all =
+      gather_text(c, key, sharding, timeout, "the sharding check (every rank must construct it)");
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    TORCH_CHECK(all[r] == all[0], who, ": ranks 0 and ", r,
+                " shard the optimizer state differently: rank 0 {", all[0], "}, rank ", r, " {",
+                all[r], "}; give every rank the same ", fix,
+                " and the same model (and stagewise build)");
+  }
+}
+
 namespace detail {
 // Tests only: a version other than 0 is announced at start-up instead of kWireVersion, as a rank
 // of another stagewise build would (tests/distributed/wire_test.cpp).
