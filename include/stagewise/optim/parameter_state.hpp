@@ -47,6 +47,33 @@ inline bool save_state(const torch::optim::Optimizer& optimizer, const torch::Te
   return true;
 }
 
+/// `load_state` with the call that reads an archive into the optimizer given (`load(archive)`):
+/// for an optimizer whose own `load` takes only whole archives of its kind and reads them
+/// through its base class (`distributed::Sharded`), which passes its base class's `load`.
+template <class Load>
+void load_state_with(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
+                     torch::serialize::InputArchive& archive, const Load& load) {
+  detail::refuse_lbfgs(optimizer, "load_state");
+  const auto* group = detail::group_of(optimizer, param);
+  TORCH_CHECK(group != nullptr, "stagewise::optim::load_state: a tensor of shape ", param.sizes(),
+              " is not one of the optimizer's parameters; give the optimizer over the parameters "
+              "you load into");
+  detail::AloneInGroups alone(optimizer, param, group->options().clone());
+  load(archive);
+  alone.take();
+}
+
+/// A LibTorch optimizer class whose own `load` reads only whole archives of its kind (as
+/// `distributed::Sharded` does, for its share of a model's state) and that reads one
+/// parameter's state its own way: `load_state` calls its `load_state` also when it is given as
+/// a `torch::optim::Optimizer&`.
+class ParameterStateLoad {
+ public:
+  virtual ~ParameterStateLoad() = default;
+  /// Replaces `param`'s state with what `save_state` wrote, as `optim::load_state` does.
+  virtual void load_state(const torch::Tensor& param, torch::serialize::InputArchive& archive) = 0;
+};
+
 /// Replaces `param`'s state in `optimizer` with the state `archive` holds (written by
 /// `save_state` from an optimizer of the same kind, over any parameters): `optimizer`'s own
 /// `load` reads it, with `param` alone in its groups for the call, so the other parameters'
@@ -56,14 +83,12 @@ inline bool save_state(const torch::optim::Optimizer& optimizer, const torch::Te
 ///   optim::load_state(adam, model->parameters()[0], a);
 inline void load_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
                        torch::serialize::InputArchive& archive) {
-  detail::refuse_lbfgs(optimizer, "load_state");
-  const auto* group = detail::group_of(optimizer, param);
-  TORCH_CHECK(group != nullptr, "stagewise::optim::load_state: a tensor of shape ", param.sizes(),
-              " is not one of the optimizer's parameters; give the optimizer over the parameters "
-              "you load into");
-  detail::AloneInGroups alone(optimizer, param, group->options().clone());
-  optimizer.load(archive);
-  alone.take();
+  if (auto* own = dynamic_cast<ParameterStateLoad*>(&optimizer)) {
+    own->load_state(param, archive);
+    return;
+  }
+  load_state_with(optimizer, param, archive,
+                  [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
 }
 
 }  // namespace stagewise::optim

@@ -2,9 +2,12 @@
 
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/grad_scaler.hpp"
+#include "stagewise/optim/parameter_state.hpp"
+#include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/pipe/distributed/detail/sharded_state.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -66,7 +69,7 @@ struct ShardedParameters {
 /// ones (and their names), and `load` takes such an archive (or an unfused optimizer's, or one
 /// naming another set of parameters) and keeps the owned parameters' state.
 template <class Optimizer>
-class Sharded : public Optimizer, public optim::JobWideChecks {
+class Sharded : public Optimizer, public optim::JobWideChecks, public optim::ParameterStateLoad {
  public:
   /// Over `shards` (`dp.sharded_parameters()`, `pipe->sharded_parameters()`), with `options`
   /// (e.g. `torch::optim::AdamOptions(1e-3)`).
@@ -149,6 +152,21 @@ class Sharded : public Optimizer, public optim::JobWideChecks {
     this->param_groups()[0].set_options(loaded.whole->param_groups()[0].options().clone());
   }
 
+  /// Its state one parameter at a time, as a pipe's save keeps it under the model's names
+  /// (`parameter_state_optimizer`): the kind is the unsharded optimizer's, and this replica keeps,
+  /// writes and reads the state of the parameters it owns; a save loads at any replica count,
+  /// sharded or not.
+  std::string state_kind() const { return optim::state_kind(base()); }
+  bool keeps_state(const torch::Tensor& param) const { return optim::keeps_state(base(), param); }
+  bool save_state(const torch::Tensor& param, torch::serialize::OutputArchive& archive) const {
+    return optim::save_state(base(), param, archive);
+  }
+  void load_state(const torch::Tensor& param, torch::serialize::InputArchive& archive) override {
+    // The optimizer's own load, not Sharded's (which takes whole archives of `save`).
+    optim::load_state_with(*this, param, archive,
+                           [&](torch::serialize::InputArchive& a) { Optimizer::load(a); });
+  }
+
   /// A GradScaler's inf/NaN check, summed over every replica (`optim::JobWideChecks`).
   torch::Tensor sum_found_inf(const torch::Tensor& found) override {
     return shards_.sum_found_inf(found);
@@ -158,6 +176,8 @@ class Sharded : public Optimizer, public optim::JobWideChecks {
   const ShardedParameters& shards() const { return shards_; }
 
  private:
+  const torch::optim::Optimizer& base() const { return *this; }
+
   static std::vector<torch::Tensor> owned_of(const ShardedParameters& s) {
     TORCH_CHECK(s.parameters.size() == s.owned.size() && s.names.size() == s.owned.size(), s.who,
                 ": the sharded parameters are inconsistent");
@@ -171,5 +191,8 @@ class Sharded : public Optimizer, public optim::JobWideChecks {
   ShardedParameters shards_;
   detail::OptimizerOver make_;
 };
+
+static_assert(parameter_state_optimizer<Sharded<torch::optim::Adam>>);
+static_assert(savable_optimizer<Sharded<torch::optim::Adam>>);
 
 }  // namespace stagewise::distributed
