@@ -49,6 +49,8 @@ struct StageCosts {
   double input_bytes = 0;
   /// The stage's output (the next stage's input).
   double output_bytes = 0;
+  /// The skips the stage stashes (a later stage pops them).
+  double stash_bytes = 0;
   /// What a checkpointed cell keeps besides its inputs: the random-number generators' state its
   /// recompute replays (on the profiling device: the CPU generator's on the CPU, none on CUDA).
   double replay_bytes = 0;
@@ -386,6 +388,9 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
     c.input_bytes = detail::bytes_of(in);
     for (const auto& [skip, t] : skips) {
       if (!r.skips.count(skip) && t.defined()) c.input_bytes += static_cast<double>(t.nbytes());
+    }
+    for (const auto& [skip, t] : r.skips) {
+      if (!skips.count(skip) && t.defined()) c.stash_bytes += static_cast<double>(t.nbytes());
     }
     c.whole.kept = c.split.kept = c.input_bytes;
     c.whole.input_grad = c.whole.forward;

@@ -117,7 +117,9 @@ inline std::vector<schedule::CellBytes> cells_of(const std::vector<StageCosts>& 
     } else {
       b.output = last ? 0.0 : c.output_bytes;
       b.sent_grad = std::max(c.whole.sent_grad, c.split.sent_grad);
-      b.kept = c.replay_bytes;  // its inputs are the previous stage's output (or the caller's)
+      // Its inputs are the previous stage's output (or the caller's); what it stashes, a later
+      // stage's cell holds until about its recompute.
+      b.kept = c.replay_bytes + c.stash_bytes;
     }
     out.push_back(b);
   }
@@ -157,8 +159,10 @@ inline schedule::detail::MemoryCandidate search_choices(const SearchInput& in, b
         return w;
       },
       for_memory, &plans);
-  planner.raise_per_stage(schedule::detail::choice_ladder(allowed));
+  const auto ladder = schedule::detail::choice_ladder(allowed);
+  planner.raise_per_stage(ladder);
   planner.try_uniform(allowed);
+  if (!planner.best()) planner.raise_together(ladder);
   return planner.best() ? *planner.best() : *planner.smallest();
 }
 
