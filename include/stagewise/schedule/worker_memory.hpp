@@ -244,14 +244,21 @@ class MemoryWalk {
 
 /// Per worker, the most bytes it holds at once in a step of `plan`, by what holds them, counted
 /// along its program as `peak_bytes` counts its cells (`cells[s]` for stage s, or one entry for
-/// all), plus: its stages' parameters and optimizer state (`state[s]`, or one entry for all)
-/// throughout; a stage's gradients from its first B or W on, until its last with `fused` (the
-/// fused step frees each gradient once stepped), else to the end of the step, when the optimizer
-/// steps (its temporaries then count, on top of every gradient); with `fused`, a stage's step
-/// temporaries during its last B or W. Gradients are taken as freed between steps
-/// (`zero_grad(true)`, or the fused step).
+/// all; a forward's temporaries on top of its whole cell, a checkpointed one's too), plus: its
+/// stages' parameters and optimizer state (`state[s]`, or one entry for all) throughout; a
+/// stage's gradients from its first B or W on, until its last with `fused` (the fused step frees
+/// each gradient once stepped; a stage with one B holds them one at a time), else to the end of
+/// the step, when the optimizer steps (its temporaries then count, on top of every gradient);
+/// with `fused`, a stage's step temporaries during its last B or W. Gradients are taken as freed
+/// between steps (`zero_grad(true)`, or the fused step). Where the cells share tensors between
+/// stages (`CellBytes::output`, `sent_grad`: one process), each counts on the worker that made it
+/// until the plan's messages guarantee every cell holding it let it go (`peak`: whatever the
+/// workers' speeds), and, given the plan simulated on its costs (`timeline`), until the first of
+/// its maker's actions that starts after the simulated release (`expected`).
 ///   auto w = stagewise::schedule::worker_memory(plan, {cell}, {state}, /*fused=*/true);
 ///   w[0].peak;  // bytes worker 0's device must hold
+///   auto sim = stagewise::schedule::simulate(plan, costs);
+///   worker_memory(plan, cells, states, true, sim.timeline)[0].expected;  // on that clock
 inline std::vector<WorkerMemory> worker_memory(const Plan& plan,
                                                const std::vector<CellBytes>& cells,
                                                const std::vector<StageState>& state, bool fused,
