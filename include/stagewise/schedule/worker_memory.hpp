@@ -30,7 +30,9 @@ struct StageState {
 /// A worker's bytes at its peak, by what holds them; `peak` is their sum: what the worker's
 /// device must hold, whatever the workers' relative speeds. `offloaded` is the most bytes its
 /// cells had in the store at once (host memory or files, not counted in `peak`). `expected` is
-/// the peak where the workers keep to a simulated clock (at most `peak`; see `worker_memory`).
+/// the peak where the workers keep to a simulated clock, `least` where every other worker is as
+/// quick as it may be (`least` <= `expected` <= `peak`; they differ only by tensors one worker
+/// makes and another lets go: see `worker_memory`).
 struct WorkerMemory {
   double params = 0;
   double grads = 0;
@@ -40,6 +42,7 @@ struct WorkerMemory {
   double peak = 0;
   double offloaded = 0;
   double expected = 0;
+  double least = 0;
 };
 
 namespace detail {
@@ -108,7 +111,9 @@ class MemoryWalk {
   // Worker w's peak, by what holds it, and its expected peak.
   WorkerMemory worker(int w) {
     WorkerMemory out = walk(w, shared_.before);
+    out.least = walk(w, shared_.soonest).peak;
     out.expected = shared_.expected.empty() ? out.peak : walk(w, shared_.expected).peak;
+    out.expected = std::max(out.expected, out.least);
     return out;
   }
 
@@ -253,8 +258,9 @@ class MemoryWalk {
 /// between steps (`zero_grad(true)`, or the fused step). Where the cells share tensors between
 /// stages (`CellBytes::output`, `sent_grad`: one process), each counts on the worker that made it
 /// until the plan's messages guarantee every cell holding it let it go (`peak`: whatever the
-/// workers' speeds), and, given the plan simulated on its costs (`timeline`), until the first of
-/// its maker's actions that starts after the simulated release (`expected`).
+/// workers' speeds), until its maker's actions that surely precede the release have run
+/// (`least`), and, given the plan simulated on its costs (`timeline`), until the first of its
+/// maker's actions that starts after the simulated release (`expected`).
 ///   auto w = stagewise::schedule::worker_memory(plan, {cell}, {state}, /*fused=*/true);
 ///   w[0].peak;  // bytes worker 0's device must hold
 ///   auto sim = stagewise::schedule::simulate(plan, costs);

@@ -75,7 +75,8 @@ struct CellPlaces {
 };
 
 // Vector clocks over a plan: for each action, how many actions of every worker ended before it
-// starts. Built once per plan (its actions times its workers), then asked `first_after`.
+// starts. Built once per plan (its actions times its workers), then asked `first_after` and
+// `known_before`.
 class CausalOrder {
  public:
   CausalOrder(const Plan& plan, const CellPlaces& places)
@@ -107,6 +108,14 @@ class CausalOrder {
 
   // The first index of worker a's program whose action starts after the end of action r of
   // worker b (programs[a].size(): none does, within the step).
+  // How many of worker a's actions end before action r of worker b starts, by the plan's
+  // messages: those run while anything r lets go is still held, whatever the speeds.
+  std::size_t known_before(int a, int b, int r) const {
+    if (a == b) return static_cast<std::size_t>(r) + 1;
+    return static_cast<std::size_t>(
+        row(static_cast<std::size_t>(b), static_cast<std::size_t>(r))[static_cast<std::size_t>(a)]);
+  }
+
   std::size_t first_after(int a, int b, int r) const {
     const auto wa = static_cast<std::size_t>(a);
     const std::size_t size = offsets_[wa + 1] - offsets_[wa];

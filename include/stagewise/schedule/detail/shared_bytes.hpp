@@ -23,11 +23,13 @@ namespace stagewise::schedule::detail {
 
 // Per worker and action: the shared bytes that come onto the worker when the action ends
 // (`after[w][k]`), and those that leave it before the action starts (`before[w][k]`; index
-// programs[w].size(): at the end of the step), as the plan's messages guarantee; `expected`:
-// as a simulated clock has it (none without a clock).
+// programs[w].size(): at the end of the step), as the plan's messages guarantee; `soonest`: as
+// early as they may (once the worker's actions that surely precede the last release have run);
+// `expected`: as a simulated clock has it (none without a clock).
 struct SharedBytes {
   std::vector<std::vector<double>> after;
   std::vector<std::vector<double>> before;
+  std::vector<std::vector<double>> soonest;
   std::vector<std::vector<double>> expected;
 };
 
@@ -71,6 +73,7 @@ inline SharedBytes shared_bytes(const Plan& plan, const std::vector<CellBytes>& 
     out.after.emplace_back(program.size(), 0.0);
     out.before.emplace_back(program.size() + 1, 0.0);
   }
+  out.soonest = out.before;
   auto bytes = [&](int s) -> const CellBytes& {
     return cells[cells.size() == 1 ? 0 : static_cast<std::size_t>(s)];
   };
@@ -89,11 +92,12 @@ inline SharedBytes shared_bytes(const Plan& plan, const std::vector<CellBytes>& 
   // clock.
   auto hold = [&](double n, Place made, std::initializer_list<Place> holders) {
     if (n <= 0 || !made.exists()) return;
-    std::size_t sure = static_cast<std::size_t>(made.index) + 1, timed = sure;
+    std::size_t sure = static_cast<std::size_t>(made.index) + 1, timed = sure, soon = sure;
     for (const Place& h : holders) {
       if (!h.exists()) continue;
       const std::size_t end = order.first_after(made.worker, h.worker, h.index);
       sure = std::max(sure, end);
+      soon = std::max(soon, order.known_before(made.worker, h.worker, h.index));
       if (!clock) continue;
       const std::size_t on_clock =
           h.worker == made.worker ? end
@@ -103,6 +107,7 @@ inline SharedBytes shared_bytes(const Plan& plan, const std::vector<CellBytes>& 
     const auto w = static_cast<std::size_t>(made.worker);
     out.after[w][static_cast<std::size_t>(made.index)] += n;
     out.before[w][sure] += n;
+    out.soonest[w][soon] += n;
     if (clock) out.expected[w][timed] += n;
   };
   for (int j = 0; j + 1 < plan.stages; ++j) {
