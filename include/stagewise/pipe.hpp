@@ -84,16 +84,7 @@ class PipeImpl : public PipeOverImpl<runtime::MailboxTransport> {
 
   /// Number of stages.
   std::size_t num_stages() const { return stages_.size(); }
-  /// What `PipeOptions().memory_budget(...)` chose: checkpoint mode, offloaded cells, each
-  /// stage's predicted peak (print it with `to_string()`).
-  ///   std::cout << pipe->memory_plan().to_string();
-  const schedule::MemoryPlan& memory_plan() const {
-    TORCH_CHECK(resolved_.memory_plan,
-                "stagewise::Pipe::memory_plan: the pipe has no memory "
-                "budget; build it from a Sequential with PipeOptions().memory_budget(bytes, "
-                "sample)");
-    return *resolved_.memory_plan;
-  }
+  // memory_plan(): PipeOverImpl, as every pipe has it.
   /// The device of stage `k`.
   torch::Device device(std::size_t k) const { return stage_at(k).device; }
   /// Number of layers: the Sequential's layers, or the stages of a typed stage list.

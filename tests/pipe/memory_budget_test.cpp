@@ -28,6 +28,22 @@ torch::nn::Sequential model() {
 }
 
 const sw::balance b{2, 2, 2, 2};
+
+// Four stages of two Linear(256, 256) and Tanh: a cell's tensors are 16 KiB for 16 rows, more
+// than a checkpointed cell's replay state.
+torch::nn::Sequential wide_model() {
+  torch::nn::Sequential m;
+  m->push_back(torch::nn::Linear(8, 256));
+  m->push_back(torch::nn::Tanh());
+  for (int i = 0; i < 6; ++i) {
+    m->push_back(torch::nn::Linear(256, 256));
+    m->push_back(torch::nn::Tanh());
+  }
+  m->push_back(torch::nn::Linear(256, 4));
+  m->push_back(torch::nn::Tanh());
+  return m;
+}
+const sw::balance wide{4, 4, 4, 4};
 const sched::any_schedule gpipe("gpipe", sched::gpipe{});
 
 }  // namespace
@@ -44,20 +60,22 @@ TEST_SUITE("memory budget") {
   TEST_CASE("the pipe takes the plan's mode, prints it, and trains like the pipe set by hand") {
     const auto sample = torch::randn({16, 8});
     // A loose budget checkpoints nothing; the smallest GPipe fits (named by the refusal of a
-    // budget of 1 byte) only fits by offloading: stages 1..3 have wide inputs.
-    auto loose = sw::Pipe(model(), b,
-                          sw::PipeOptions().chunks(8).memory_budget(1LL << 30, sample, std::nullopt,
-                                                                    gpipe));
+    // budget of 1 byte) only fits by offloading. In one process a checkpointed cell's inputs
+    // are the previous stage's output, counted on the worker that made it: offloading them
+    // frees that worker's bytes (its own cell, checkpointed, keeps none of them).
+    auto loose =
+        sw::Pipe(wide_model(), wide,
+                 sw::PipeOptions().chunks(8).memory_budget(1LL << 30, sample, std::nullopt, gpipe));
     for (auto mode : loose->memory_plan().checkpoints) CHECK(mode == sw::Checkpoint::never);
     const auto smallest_error = error_of([&] {
-      (void)sw::Pipe(model(), b,
-                     sw::PipeOptions().chunks(8).memory_budget(1, sample,
-                                                               sw::runtime::HostStore(), gpipe));
+      (void)sw::Pipe(
+          wide_model(), wide,
+          sw::PipeOptions().chunks(8).memory_budget(1, sample, sw::runtime::HostStore(), gpipe));
     });
     const auto smallest = std::stoll(smallest_error.substr(smallest_error.find("fits is ") + 8));
     torch::manual_seed(2);
-    auto planned_model = model();
-    auto planned = sw::Pipe(planned_model, b,
+    auto planned_model = wide_model();
+    auto planned = sw::Pipe(planned_model, wide,
                             sw::PipeOptions().chunks(8).memory_budget(
                                 smallest, sample, sw::runtime::HostStore(), gpipe));
     const auto& plan = planned->memory_plan();
@@ -72,8 +90,9 @@ TEST_SUITE("memory budget") {
                                          std::to_string(smallest) + " bytes per stage"));
     // The same pipe by hand.
     torch::manual_seed(2);
-    auto hand_model = model();
-    auto hand = sw::Pipe(hand_model, b, sw::PipeOptions().chunks(8).checkpoint(plan.checkpoints));
+    auto hand_model = wide_model();
+    auto hand =
+        sw::Pipe(hand_model, wide, sw::PipeOptions().chunks(8).checkpoint(plan.checkpoints));
     const auto x = torch::randn({128, 8});
     const auto t = torch::randn({128, 4});
     auto loss = [](const torch::Tensor& y, const torch::Tensor& z) {

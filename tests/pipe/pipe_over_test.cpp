@@ -120,6 +120,25 @@ TEST_SUITE("one pipe over any transport") {
     }
   }
 
+  TEST_CASE("a memory budget's plan is read from memory_plan(), as from Pipe") {
+    auto wire = std::make_shared<Wire>();
+    const auto options = sw::PipeOptions().chunks(4).memory_budget(1LL << 30, torch::randn({2, 6}));
+    WirePipe rank0(mlp(), sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 0));
+    WirePipe rank1(mlp(), sw::balance{3, 2}, options, std::make_unique<WireEnd>(wire, 1));
+    for (const auto* pipe : {&rank0, &rank1}) {
+      const auto& plan = (*pipe)->memory_plan();
+      CHECK((plan.checkpoints == (*pipe)->resolved_options().checkpoints));
+      CHECK((plan.checkpoints == std::vector<sw::Checkpoint>(2, sw::Checkpoint::never)));
+      CHECK(plan.predicted_peak.size() == 2);  // one per worker (rank)
+    }
+    CHECK(rank0->memory_plan().predicted_peak == rank1->memory_plan().predicted_peak);
+    WirePipe plain(mlp(), sw::balance{3, 2}, sw::PipeOptions().chunks(4),
+                   std::make_unique<WireEnd>(std::make_shared<Wire>(), 0));
+    CHECK(sw::testing::error_of([&] { (void)plain->memory_plan(); }) ==
+          "stagewise::PipeOver::memory_plan: the pipe has no memory budget; build it from a "
+          "Sequential with PipeOptions().memory_budget(bytes, sample)");
+  }
+
   TEST_CASE("a failure on one rank stops both, each with the failing cell named") {
     auto seq = mlp();
     auto wire = std::make_shared<Wire>();

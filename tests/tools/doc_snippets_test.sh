@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/doc_snippets on made-up docs: where each snippet's lines go (declarations at namespace
 # scope, statements in a function, each after a #line naming the doc), which unit each goes to
-# (by its umbrella includes, or its file's), fragments skipped, and the problems it refuses.
+# (by its umbrella includes, or its file's), before or after <torch/torch.h> (by whether it
+# includes it), fragments skipped, and the problems it refuses.
 #   usage: doc_snippets_test.sh DOC_SNIPPETS
 set -uo pipefail
 tool=$1
@@ -51,8 +52,22 @@ auto d = 1;
   auto both = 2;
   ```
 DOC
-out=$("$tool" "$dir/out" "$dir/a.md" "$dir/b.md") || fail "good docs: exit $?: $out"
-grep -qx "doc_snippets: 4 snippets (1 fragments) from 2 files" <<<"$out" || fail "summary: $out"
+cat >"$dir/c.md" <<'DOC'
+```cpp
+#include <stagewise/stagewise.hpp>
+#include <torch/torch.h>
+torch::nn::Linear with_torch(1, 1);
+```
+```cpp
+auto continued = 3;
+```
+```cpp
+#include <stagewise/stagewise.hpp>
+auto umbrella_only = 4;
+```
+DOC
+out=$("$tool" "$dir/out" "$dir/a.md" "$dir/b.md" "$dir/c.md") || fail "good docs: exit $?: $out"
+grep -qx "doc_snippets: 7 snippets (1 fragments) from 3 files" <<<"$out" || fail "summary: $out"
 one=$dir/out/one_process.cpp
 dist=$dir/out/distributed.cpp
 [[ $(head -2 "$one" | tail -1) == "#include <stagewise/stagewise.hpp>" ]] || fail "one_process.cpp's include"
@@ -78,13 +93,21 @@ grep -q "auto d = 1;" "$one" && fail "b.md's distributed block went to one_proce
 awk '/auto d = 1;/ {d = NR} /^#include <stagewise\/stagewise.hpp>/ {s = NR} /auto both = 2;/ {b = NR}
      END {exit !(d && s && b && d < s && s < b)}' "$dist" || fail "distributed.cpp's order: $(cat "$dist")"
 
+# The prelude includes nothing; a block that includes <torch/torch.h> (or follows one in its file)
+# comes after it, the others before it, so they see the umbrella alone.
+grep -q "^#include <torch/nn" "$one" && fail "the prelude includes a LibTorch header: $(cat "$one")"
+awk '/auto umbrella_only = 4;/ {u = NR} /^  x.add_\(1\);/ {a = NR} /^#include <torch\/torch.h>/ {t = NR}
+     /with_torch\(1, 1\);/ {w = NR} /auto continued = 3;/ {c = NR}
+     END {exit !(u && a && t && w && c && u < t && a < t && t < w && t < c)}' "$one" ||
+  fail "one_process.cpp's order around <torch/torch.h>: $(cat "$one")"
+
 # Problems: an include that is not an umbrella, and another word after cpp.
 printf '```cpp\n#include <stagewise/pipe/pipe_over.hpp>\nint a = 0;\n```\n```cpp ignore\nint b;\n```\n' \
   >"$dir/bad.md"
 err=$("$tool" "$dir/out2" "$dir/bad.md" 2>&1 >/dev/null)
 rc=$?
 [[ $rc -eq 1 ]] || fail "expected exit 1 on bad docs, got $rc"
-grep -qF "bad.md:1: includes <stagewise/pipe/pipe_over.hpp>; a snippet compiles after the umbrella alone (<stagewise/stagewise.hpp> or <stagewise/distributed.hpp>), or is fenced \`\`\`cpp fragment" <<<"$err" ||
+grep -qF "bad.md:1: includes <stagewise/pipe/pipe_over.hpp>; a snippet compiles after the umbrella alone (<stagewise/stagewise.hpp> or <stagewise/distributed.hpp>) and, if it includes it, <torch/torch.h>, or is fenced \`\`\`cpp fragment" <<<"$err" ||
   fail "the include problem: $err"
 grep -qF "bad.md:5: \`\`\`cpp ignore: the only word allowed after cpp is 'fragment'" <<<"$err" ||
   fail "the fence problem: $err"

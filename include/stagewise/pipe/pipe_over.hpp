@@ -235,6 +235,16 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   /// What the pipe runs with: the options with every default and dependent choice decided (a
   /// memory budget's checkpoint modes and offloads included), resolved once at construction.
   const ResolvedPipeOptions& resolved_options() const { return resolved_; }
+  /// What `PipeOptions().memory_budget(...)` chose: checkpoint mode, offloaded cells, each
+  /// worker's predicted peak (print it with `to_string()`). Every pipe built from a Sequential
+  /// with a budget has one (`Pipe`, `PipeOver<T>`, `distributed::Pipe`).
+  ///   std::cout << pipe->memory_plan().to_string();
+  const schedule::MemoryPlan& memory_plan() const {
+    TORCH_CHECK(resolved_.memory_plan, who_,
+                "::memory_plan: the pipe has no memory budget; build it from a Sequential with "
+                "PipeOptions().memory_budget(bytes, sample)");
+    return *resolved_.memory_plan;
+  }
   /// Which stage stashes and which pops each skip connection (verified at construction).
   const detail::SkipLayout& skip_layout() const { return *skips_; }
   /// The messages and tensor bytes this process exchanged with other processes since the pipe

@@ -122,10 +122,11 @@ struct PipelinePlan {
     }
     for (std::size_t w = 0; w < memory.size(); ++w) {
       const auto& m = memory[w];
-      out << "  worker " << w << ": peak " << mib(m.peak) << " = parameters " << mib(m.params)
-          << " + gradients " << mib(m.grads) << " + optimizer state " << mib(m.optimizer)
-          << " + kept activations " << mib(m.activations) << " + working " << mib(m.working)
-          << "; offloaded " << mib(m.offloaded) << "\n";
+      out << "  worker " << w << ": peak " << mib(m.peak) << " (expected " << mib(m.expected)
+          << ") = parameters " << mib(m.params) << " + gradients " << mib(m.grads)
+          << " + optimizer state " << mib(m.optimizer) << " + kept activations "
+          << mib(m.activations) << " + working " << mib(m.working) << "; offloaded "
+          << mib(m.offloaded) << "\n";
     }
     out << "candidates (" << candidates.size() << ", the first "
         << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";

@@ -109,23 +109,26 @@ void roots_of(ActionContext<Transport>& c, Inputs& in, std::vector<torch::Tensor
   }
 }
 
-// B: the cell's whole backward; its input gradients go to the previous stage, and the cell's
-// activations are freed.
+// B: the cell's whole backward; the cell's activations are freed, then its input gradients go
+// to the previous stage. Freed first: once the previous stage has its gradient, this cell holds
+// nothing of its output (schedule::worker_memory counts on that order).
 template <class Transport>
 void run_backward(ActionContext<Transport>& c, Inputs& in) {
   std::vector<torch::Tensor> outs;
   std::vector<torch::Tensor> grads;
   roots_of(c, in, outs, grads);
   if (!outs.empty()) torch::autograd::backward(outs, grads);
+  outs.clear();
+  grads.clear();
   if (c.step.skips) c.step.skips->send_grads(c.j, c.i, c.mail);
-  if (c.j > 0) {
-    Message input_grads;
-    input_grads.atomic = c.cell.input_atomic;
-    input_grads.tensors.reserve(c.cell.leaves.size());
-    for (auto& leaf : c.cell.leaves) input_grads.tensors.push_back(leaf.grad());
-    c.mail.send({schedule::TransferKind::gradient, c.j - 1, c.i}, std::move(input_grads));
-  }
+  Message input_grads;
+  input_grads.atomic = c.cell.input_atomic;
+  input_grads.tensors.reserve(c.cell.leaves.size());
+  for (auto& leaf : c.cell.leaves) input_grads.tensors.push_back(leaf.grad());
   c.cell = CellMemory{};
+  in.grad.reset();
+  if (c.j > 0)
+    c.mail.send({schedule::TransferKind::gradient, c.j - 1, c.i}, std::move(input_grads));
 }
 
 // I: the input gradients only, sent at once (a popping cell's skip gradients too, as it does its
@@ -144,20 +147,23 @@ void run_input_grad(ActionContext<Transport>& c, Inputs& in) {
   }
   c.cell.split.emplace();
   auto input_grads = c.cell.split->input_grad(std::move(outs), std::move(grads), targets);
+  targets.clear();  // the cell's inputs: they may go with the leaves, below
   if (c.step.skips) {
     const std::vector<torch::Tensor> skip_grads(input_grads.begin() + inputs, input_grads.end());
     c.step.skips->send_grads(c.j, c.i, c.mail, &skip_grads);
     input_grads.resize(inputs);
   }
+  c.cell.outputs.clear();  // the split holds the graph until W
+  c.cell.loss = torch::Tensor();
+  // W reads only what the split keeps (a node that saved an input keeps it): the cell's inputs,
+  // the previous stage's outputs, go now, unless the split keeps the whole graph until W. Before
+  // the gradients leave, as in B.
+  if (c.cell.split->keep() == SplitBackward::Keep::what_w_reads) c.cell.leaves.clear();
+  in.grad.reset();
   if (c.j > 0) {
     c.mail.send({schedule::TransferKind::gradient, c.j - 1, c.i},
                 Message{std::move(input_grads), c.cell.input_atomic});
   }
-  c.cell.outputs.clear();  // the split holds the graph until W
-  c.cell.loss = torch::Tensor();
-  // W reads only what the split keeps (a node that saved an input keeps it): the cell's inputs,
-  // the previous stage's outputs, go now, unless the split keeps the whole graph until W.
-  if (c.cell.split->keep() == SplitBackward::Keep::what_w_reads) c.cell.leaves.clear();
 }
 
 // W: the weight gradients the cell's I left, then the cell is freed.

@@ -116,8 +116,10 @@ inline MemoryPlan plan_memory(const any_schedule& sched, int micro_batches,
                                                             simulate(p, copies.costs).makespan(),
                                                             {}};
                                 });
-  planner.raise_per_stage(detail::choice_ladder(allowed));
+  const auto ladder = detail::choice_ladder(allowed);
+  planner.raise_per_stage(ladder);
   planner.try_uniform(allowed);
+  if (!planner.best()) planner.raise_together(ladder);
   const auto& best = planner.best();
   TORCH_CHECK(best.has_value(), "stagewise::PipeOptions().memory_budget: no plan of ",
               sched.name(), " with ", micro_batches, " micro-batches fits ", budget,

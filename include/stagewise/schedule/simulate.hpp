@@ -83,13 +83,19 @@ struct Simulation {
 /// `forward` (the activations its backward needs); from its I until its W, `input_grad` (what the
 /// weight gradient still needs: each layer's input and output gradient). A full B frees the cell
 /// at once. While a backward runs it allocates more (gradients of activations, each weight
-/// gradient before it is added in): `working` above the cell's bytes during a B or an I,
-/// `weight_working` above them during a W (on the first stage, whose input needs no gradient, I
-/// has nothing to do and W runs the whole backward). Measure them on one stage alone: a forward
-/// and a backward; a forward, SplitBackward::input_grad and weight_grad.
+/// gradient before it is added in): `working` above the cell's bytes during a B (and an I, unless
+/// `input_working` is given), `weight_working` above them during a W (on the first stage, whose
+/// input needs no gradient, I has nothing to do and W runs the whole backward), and
+/// `forward_working` during an F or an R (a forward's temporaries, e.g. a convolution's unfolded
+/// input). Measure them on one stage alone: a forward and a backward; a forward,
+/// SplitBackward::input_grad and weight_grad (`profile_stages` does).
 /// A checkpointed cell (one with an R in the plan) holds `kept` from its F to its R (its inputs;
 /// negative: `forward`, as if it kept everything), and `forward` from its R on; an offload O
 /// takes its `kept` bytes off the device until its reload L.
+/// The last four fields describe tensors two stages share where their workers share one memory
+/// (one process, one device: a stage's output is the next stage's input, not a copy of it);
+/// `schedule::worker_memory` counts them on the worker that made them for as long as either
+/// stage holds them, `peak_bytes` does not. Zero: nothing shared (separate devices).
 ///   stagewise::schedule::CellBytes{.forward = 131072, .input_grad = 262144, .working = 131584}
 struct CellBytes {
   double forward = 1.0;
@@ -97,6 +103,22 @@ struct CellBytes {
   double working = 0.0;
   double weight_working = 0.0;
   double kept = -1.0;
+  double forward_working = 0.0;  ///< above the cell during its F or R
+  double input_working = -1.0;   ///< above the cell during its I (negative: `working`)
+  /// The part of `forward` that is the stage's output, which the next stage's cell holds as its
+  /// input: on this worker until both cells let it go (a checkpointed cell keeps none of its
+  /// forward's output; the next stage's cell holds it until its B, its I, its W when
+  /// `weight_reads_input`, or its offload). A cell whose input is shared this way keeps no
+  /// bytes of its own from its F to its R; after a reload, its `kept` inputs are its own.
+  double output = 0.0;
+  /// The gradient of the cell's inputs, made by its B or I and sent to the previous stage: on
+  /// this worker until that stage's B, its I, or its W when it `weight_reads_grad`.
+  double sent_grad = 0.0;
+  /// The cell's W reads its inputs (a Linear's weight gradient reads the Linear's input).
+  bool weight_reads_input = false;
+  /// The cell's W starts from the gradient it received (its input needs none, so its I has
+  /// nothing to do), which then lives until its W.
+  bool weight_reads_grad = false;
 };
 
 /// Per worker, the most bytes its stages' cells hold at once (no checkpointing: a cell keeps its
@@ -106,7 +128,7 @@ struct CellBytes {
 /// and - kept at its O, + kept at its L (an offload's bytes leave when it is issued: an upper
 /// bound on the saving, since a CUDA copy frees them only once it has landed). `bytes[s]` for stage
 /// s, or one entry for every stage; with `CellBytes{}` this is `Simulation::worker_peak_in_flight`.
-/// While a B, an I or a W runs, its working bytes count too.
+/// While an F, an R, a B, an I or a W runs, its working bytes count too.
 ///   auto peak = stagewise::schedule::peak_bytes(plan, {{131072, 196608}});
 inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBytes>& bytes) {
   TORCH_CHECK(bytes.size() == 1 || static_cast<int>(bytes.size()) == plan.stages,
@@ -131,10 +153,14 @@ inline std::vector<double> peak_bytes(const Plan& plan, const std::vector<CellBy
     for (const auto& a : program) {
       const auto& b = bytes[bytes.size() == 1 ? 0 : static_cast<std::size_t>(a.stage)];
       const double kept = b.kept < 0.0 ? b.forward : b.kept;
-      if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
-        peak = std::max(peak, now + b.working);
+      if (a.kind == ActionKind::backward) peak = std::max(peak, now + b.working);
+      if (a.kind == ActionKind::input_grad) {
+        peak = std::max(peak, now + (b.input_working < 0.0 ? b.working : b.input_working));
       }
       if (a.kind == ActionKind::weight_grad) peak = std::max(peak, now + b.weight_working);
+      if (a.kind == ActionKind::forward || a.kind == ActionKind::recompute) {
+        peak = std::max(peak, now + b.forward_working);
+      }
       if (a.kind == ActionKind::forward) now += recomputed[cell(a)] ? kept : b.forward;
       if (a.kind == ActionKind::recompute) now += b.forward - kept;
       if (a.kind == ActionKind::offload) now -= kept;

@@ -1,8 +1,10 @@
 #pragma once
 
 #include "stagewise/schedule/action.hpp"
+#include "stagewise/schedule/detail/shared_bytes.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
+#include "stagewise/schedule/timeline.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -43,8 +45,11 @@ struct StageReplicas {
 };
 
 /// A worker's bytes at its peak, by what holds them; `peak` is their sum: what the worker's
-/// device must hold. `offloaded` is the most bytes its cells had in the store at once (host
-/// memory or files, not counted in `peak`).
+/// device must hold, whatever the workers' relative speeds. `offloaded` is the most bytes its
+/// cells had in the store at once (host memory or files, not counted in `peak`). `expected` is
+/// the peak where the workers keep to a simulated clock, `least` where every other worker is as
+/// quick as it may be (`least` <= `expected` <= `peak`; they differ only by tensors one worker
+/// makes and another lets go: see `worker_memory`).
 struct WorkerMemory {
   double params = 0;
   double grads = 0;
@@ -53,6 +58,8 @@ struct WorkerMemory {
   double working = 0;      ///< the running action's working memory, or the step's temporaries
   double peak = 0;
   double offloaded = 0;
+  double expected = 0;
+  double least = 0;
 };
 
 /// What one of `r.replicas` replicas holds of a stage whose whole state is `whole`, for
@@ -134,10 +141,17 @@ namespace detail {
 class MemoryWalk {
  public:
   MemoryWalk(const Plan& plan, const std::vector<CellBytes>& cells,
-             const std::vector<StageState>& state, bool fused)
-      : plan_(plan), cells_(cells), state_(state), fused_(fused), spans_(gradient_spans(plan)) {
-    recomputed_.assign(
-        static_cast<std::size_t>(plan.stages) * static_cast<std::size_t>(plan.micro_batches), 0);
+             const std::vector<StageState>& state, bool fused, const Timeline* timeline)
+      : plan_(plan),
+        cells_(cells),
+        state_(state),
+        fused_(fused),
+        spans_(gradient_spans(plan)),
+        shared_(shared_bytes(plan, cells, timeline)) {
+    for (const auto& b : cells) one_process_ = one_process_ || b.output > 0;
+    const auto n =
+        static_cast<std::size_t>(plan.stages) * static_cast<std::size_t>(plan.micro_batches);
+    recomputed_.assign(n, 0);
     for (const auto& program : plan.programs) {
       for (const auto& a : program) {
         if (a.kind == ActionKind::recompute) recomputed_[cell(a)] = 1;
@@ -145,7 +159,17 @@ class MemoryWalk {
     }
   }
 
+  // Worker w's peak, by what holds it, and its expected peak.
   WorkerMemory worker(int w) {
+    WorkerMemory out = walk(w, shared_.before);
+    out.least = walk(w, shared_.soonest).peak;
+    out.expected = shared_.expected.empty() ? out.peak : walk(w, shared_.expected).peak;
+    out.expected = std::max(out.expected, out.least);
+    return out;
+  }
+
+  // Worker w's program, with the shared tensors freed before each action as `freed` says.
+  WorkerMemory walk(int w, const std::vector<std::vector<double>>& freed_before) {
     WorkerTally t;
     double step_working = 0;  // the largest of the worker's stages' (the unfused step's)
     for (int s : plan_.stages_of(w)) {
@@ -154,9 +178,18 @@ class MemoryWalk {
       step_working = std::max(step_working, state_of(s).step_working);
     }
     offloaded_ = most_offloaded_ = 0;
+    own_.assign(recomputed_.size(), 0.0);
+    reloaded_.assign(recomputed_.size(), 0);
     t.see(0);
     const auto& program = plan_.programs[static_cast<std::size_t>(w)];
-    for (std::size_t k = 0; k < program.size(); ++k) act(program[k], static_cast<int>(k), t);
+    const auto& shared = shared_.after[static_cast<std::size_t>(w)];
+    const auto& freed = freed_before[static_cast<std::size_t>(w)];
+    for (std::size_t k = 0; k < program.size(); ++k) {
+      t.now.activations -= freed[k];
+      act(program[k], static_cast<int>(k), shared[k], t);
+      t.see(0);
+    }
+    t.now.activations -= freed[program.size()];
     if (!fused_) t.see(step_working);  // the optimizer's step, after the pipeline's
     WorkerMemory out = t.at_peak;
     out.offloaded = most_offloaded_;
@@ -165,32 +198,78 @@ class MemoryWalk {
 
  private:
   // Action `a`, the k-th of its worker's program: its working memory counts while it runs, then
-  // what it keeps or frees.
-  void act(const Action& a, int k, WorkerTally& t) {
-    const auto& b = cells_[cells_.size() == 1 ? 0 : static_cast<std::size_t>(a.stage)];
+  // what its cell holds changes (`own_`: the cell's own bytes), and it makes `made` bytes it
+  // shares with another stage's cell (`shared_`).
+  void act(const Action& a, int k, double made, WorkerTally& t) {
+    const auto& b = bytes_of(a.stage);
     const auto& st = state_of(a.stage);
     const auto& span = spans_[static_cast<std::size_t>(a.stage)];
     const double kept = b.kept < 0.0 ? b.forward : b.kept;
     const bool weights = a.kind == ActionKind::backward || a.kind == ActionKind::weight_grad;
     const bool last = fused_ && k == span.last;  // the fused step steps the stage here
-    if (weights && k == span.first) t.now.grads += st.grads;
-    if (a.kind == ActionKind::backward || a.kind == ActionKind::input_grad) {
-      t.see(b.working + (last && a.kind == ActionKind::backward ? st.step_working : 0.0));
-    }
-    if (a.kind == ActionKind::weight_grad) t.see(b.weight_working + (last ? st.step_working : 0.0));
-    auto& acts = t.now.activations;
+    // With the fused step, a stage whose only gradient action is its last never holds all its
+    // gradients: each is stepped and freed as soon as it is final.
+    const bool whole_grads = !(fused_ && span.first == span.last);
+    if (weights && k == span.first && whole_grads) t.now.grads += st.grads;
+    const double step = last ? st.step_working : 0.0;
     switch (a.kind) {
-      case ActionKind::forward: acts += recomputed_[cell(a)] ? kept : b.forward; break;
-      case ActionKind::recompute: acts += b.forward - kept; break;
-      case ActionKind::offload: acts -= kept; offloaded_ += kept; break;
-      case ActionKind::reload: acts += kept; offloaded_ -= kept; break;
-      case ActionKind::input_grad: acts += b.input_grad - b.forward; break;
-      case ActionKind::weight_grad: acts -= b.input_grad; break;
-      case ActionKind::backward: acts -= b.forward; break;
+      case ActionKind::backward:
+        t.see(b.working + step);
+        break;
+      case ActionKind::input_grad:
+        t.see(b.input_working < 0.0 ? b.working : b.input_working);
+        break;
+      case ActionKind::weight_grad:
+        t.see(b.weight_working + step);
+        break;
+      default:
+        break;
     }
+    const std::size_t c = cell(a);
+    double& own = own_[c];
+    const double was = own;
+    // One process (stages share their outputs): a checkpointed cell's `kept` is its own (its
+    // replay's state); its inputs are the previous stage's output, which an offload moves off and
+    // a reload brings back as the cell's own. Apart, `kept` is the cell's inputs.
+    const double inputs = !one_process_ ? kept : a.stage > 0 ? bytes_of(a.stage - 1).output : 0.0;
+    const double back = reloaded_[c] ? inputs : 0.0;
+    switch (a.kind) {
+      case ActionKind::forward:
+        own = recomputed_[c] ? kept : b.forward - b.output;
+        break;
+      case ActionKind::recompute:
+        own = b.forward + (one_process_ ? own : 0.0);
+        break;
+      case ActionKind::offload:
+        if (!one_process_) own -= kept;
+        offloaded_ += inputs;
+        break;
+      case ActionKind::reload:
+        own += inputs;
+        offloaded_ -= inputs;
+        reloaded_[c] = 1;
+        break;
+      case ActionKind::input_grad:
+        own = b.input_grad;
+        if (one_process_ && recomputed_[c]) own += kept + (b.weight_reads_input ? back : 0.0);
+        break;
+      case ActionKind::weight_grad:
+      case ActionKind::backward:
+        own = 0.0;
+        break;
+    }
+    const double before = t.now.activations;
+    t.now.activations += own - was + made;
+    // A forward's temporaries come on top of its whole cell as it ends (checkpointed or not: a
+    // checkpointed forward frees what it does not keep only then); a recompute's on top of it.
+    if (a.kind == ActionKind::forward) {
+      // A checkpointed cell's replay state is taken before its forward runs.
+      const double replay = one_process_ && recomputed_[c] ? kept : 0.0;
+      t.see(std::max(0.0, before + replay + b.forward + b.forward_working - t.now.activations));
+    }
+    if (a.kind == ActionKind::recompute) t.see(b.forward_working);
     most_offloaded_ = std::max(most_offloaded_, offloaded_);
-    if (weights && last) t.now.grads -= st.grads;
-    t.see(0);
+    if (weights && last && whole_grads) t.now.grads -= st.grads;
   }
 
   std::size_t cell(const Action& a) const {
@@ -200,13 +279,20 @@ class MemoryWalk {
   const StageState& state_of(int s) const {
     return state_[state_.size() == 1 ? 0 : static_cast<std::size_t>(s)];
   }
+  const CellBytes& bytes_of(int s) const {
+    return cells_[cells_.size() == 1 ? 0 : static_cast<std::size_t>(s)];
+  }
 
   const Plan& plan_;
   const std::vector<CellBytes>& cells_;
   const std::vector<StageState>& state_;
   bool fused_;
   std::vector<GradientSpan> spans_;
+  SharedBytes shared_;
   std::vector<char> recomputed_;
+  std::vector<double> own_;     // per cell of the walked worker
+  std::vector<char> reloaded_;  // per cell: a reload brought its inputs back
+  bool one_process_ = false;    // the stages share their outputs (CellBytes::output)
   double offloaded_ = 0, most_offloaded_ = 0;
 };
 
@@ -214,23 +300,33 @@ class MemoryWalk {
 
 /// Per worker, the most bytes it holds at once in a step of `plan`, by what holds them, counted
 /// along its program as `peak_bytes` counts its cells (`cells[s]` for stage s, or one entry for
-/// all), plus: its stages' parameters and optimizer state (`state[s]`, or one entry for all)
-/// throughout; a stage's gradients from its first B or W on, until its last with `fused` (the
-/// fused step frees each gradient once stepped), else to the end of the step, when the optimizer
-/// steps (its temporaries then count, on top of every gradient); with `fused`, a stage's step
-/// temporaries during its last B or W. Gradients are taken as freed between steps
-/// (`zero_grad(true)`, or the fused step).
+/// all; a forward's temporaries on top of its whole cell, a checkpointed one's too), plus: its
+/// stages' parameters and optimizer state (`state[s]`, or one entry for all) throughout; a
+/// stage's gradients from its first B or W on, until its last with `fused` (the fused step frees
+/// each gradient once stepped; a stage with one B holds them one at a time), else to the end of
+/// the step, when the optimizer steps (its temporaries then count, on top of every gradient);
+/// with `fused`, a stage's step temporaries during its last B or W. Gradients are taken as freed
+/// between steps (`zero_grad(true)`, or the fused step). Where the cells share tensors between
+/// stages (`CellBytes::output`, `sent_grad`: one process), each counts on the worker that made it
+/// until the plan's messages guarantee every cell holding it let it go (`peak`: whatever the
+/// workers' speeds), until its maker's actions that surely precede the release have run
+/// (`least`), and, given the plan simulated on its costs (`timeline`), until the first of its
+/// maker's actions that starts after the simulated release (`expected`).
 ///   auto w = stagewise::schedule::worker_memory(plan, {cell}, {state}, /*fused=*/true);
 ///   w[0].peak;  // bytes worker 0's device must hold
-inline std::vector<WorkerMemory> worker_memory(const Plan& plan, const std::vector<CellBytes>& cells,
-                                               const std::vector<StageState>& state, bool fused) {
+///   auto sim = stagewise::schedule::simulate(plan, costs);
+///   worker_memory(plan, cells, states, true, sim.timeline)[0].expected;  // on that clock
+inline std::vector<WorkerMemory> worker_memory(const Plan& plan,
+                                               const std::vector<CellBytes>& cells,
+                                               const std::vector<StageState>& state, bool fused,
+                                               const Timeline& timeline = {}) {
   TORCH_CHECK(cells.size() == 1 || static_cast<int>(cells.size()) == plan.stages,
               "stagewise::schedule::worker_memory: give one CellBytes for every stage (",
               plan.stages, "), or one for all; got ", cells.size());
   TORCH_CHECK(state.size() == 1 || static_cast<int>(state.size()) == plan.stages,
               "stagewise::schedule::worker_memory: give one StageState for every stage (",
               plan.stages, "), or one for all; got ", state.size());
-  detail::MemoryWalk walk(plan, cells, state, fused);
+  detail::MemoryWalk walk(plan, cells, state, fused, &timeline);
   std::vector<WorkerMemory> out;
   for (int w = 0; w < plan.workers; ++w) out.push_back(walk.worker(w));
   return out;

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
+#include "stagewise/core/rng.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/skip/tracker.hpp"
@@ -20,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,14 +37,23 @@ struct StageCosts {
   double backward = 0;    ///< B
   double input_grad = 0;  ///< I
   double weight_grad = 0; ///< W
-  /// Kept from F to B, and B's working memory (a whole backward).
+  /// Kept from F to B (the cell's own: its input and the gradient it receives apart; its output
+  /// and, on the last stage, the loss included), F's and B's working memory (above the cell and
+  /// the received gradient), and the gradient it sends back (`sent_grad`, its inputs').
   schedule::CellBytes whole;
-  /// Kept from F to I, from I to W, and I's and W's working memory (a split backward).
+  /// The same for a split backward: kept from F to I, from I to W (the cell's own; whether W
+  /// keeps its inputs and the received gradient too is in `weight_reads_input` and
+  /// `weight_reads_grad`), and F's, I's and W's working memory.
   schedule::CellBytes split;
   /// A cell's inputs (the stage's input and the skips it pops): what a checkpointed cell keeps.
   double input_bytes = 0;
   /// The stage's output (the next stage's input).
   double output_bytes = 0;
+  /// The skips the stage stashes (a later stage pops them).
+  double stash_bytes = 0;
+  /// What a checkpointed cell keeps besides its inputs: the random-number generators' state its
+  /// recompute replays (on the profiling device: the CPU generator's on the CPU, none on CUDA).
+  double replay_bytes = 0;
   /// The stage's parameters.
   double param_bytes = 0;
   /// The largest parameter (an optimizer step's temporaries are about its size).
@@ -140,28 +151,27 @@ inline StageRun run_stage(StageSpec& stage, const Batch& in,
   return r;
 }
 
-// Where a stage's backward starts. A stage before the last: its outputs, with gradients the
-// next stage made (made before the cell is measured). The last with a loss: the loss, computed
-// here as the pipe's last stage does (the cell keeps it and its outputs); without, its outputs
-// with gradients of ones.
-inline std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> backward_roots(
-    const Batch& out, const StageLoss* loss) {
-  std::vector<torch::Tensor> roots, grads;
+// Where a stage's backward starts: the loss, computed here as the pipe's last stage does (the
+// cell keeps it and its outputs), or, before the last stage or without a loss, its outputs.
+inline std::vector<torch::Tensor> backward_roots(const Batch& out, const StageLoss* loss) {
   if (loss != nullptr && loss->fn) {
     TORCH_CHECK(out.atomic(), "stagewise::profile_stages: the last stage returns ", out.size(),
                 " tensors; the loss takes one, as train_step's does");
-    auto l = loss->fn(out.tensor(), loss->target);
-    roots.push_back(l);
-    grads.push_back(torch::ones_like(l));
-    return {std::move(roots), std::move(grads)};
+    return {loss->fn(out.tensor(), loss->target)};
   }
+  std::vector<torch::Tensor> roots;
   for (const auto& t : out) {
-    if (t.defined() && t.requires_grad()) {
-      roots.push_back(t);
-      grads.push_back(torch::ones_like(t));
-    }
+    if (t.defined() && t.requires_grad()) roots.push_back(t);
   }
-  return {std::move(roots), std::move(grads)};
+  return roots;
+}
+
+// The gradients a backward starts from: ones, standing for what the next stage sends (or the
+// loss's own gradient).
+inline std::vector<torch::Tensor> ones_for(const std::vector<torch::Tensor>& roots) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& t : roots) grads.push_back(torch::ones_like(t));
+  return grads;
 }
 
 inline double bytes_of(const Batch& b) {
@@ -170,14 +180,146 @@ inline double bytes_of(const Batch& b) {
   return n;
 }
 
+inline double bytes_of(const std::vector<torch::Tensor>& ts) {
+  double n = 0;
+  for (const auto& t : ts) n += t.defined() ? static_cast<double>(t.nbytes()) : 0.0;
+  return n;
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Measures stage `stage` on input `in` (a fresh leaf batch) with the earlier stages' skips.
-// `best` keeps each time's fastest round; round 0 warms up (and leaves the parameters'
-// gradients in place, as in a pipe after its first step) and is not timed; the bytes are read in
-// round 1.
+// What a checkpointed cell's replay keeps on `device`: the generators' state.
+inline double replay_bytes(torch::Device device, DeviceBytes& bytes) {
+  synchronize(device);
+  const std::int64_t before = bytes.current();
+  const auto state = RngState::capture(device);
+  synchronize(device);
+  return static_cast<double>(bytes.current() - before);
+}
+
+// One cell's forward measured: its output and roots, what it keeps (bytes since `before`, the
+// cell's input not included) and the most it held above that while it ran (F's temporaries).
+struct MeasuredForward {
+  StageRun run;
+  std::vector<torch::Tensor> roots;
+  std::int64_t before = 0;
+  std::int64_t kept = 0;
+  double working = 0;
+  double seconds = 0;
+};
+
+inline MeasuredForward measure_forward(StageSpec& stage, const Batch& in,
+                                       const std::map<const SkipInfo*, torch::Tensor>& skips,
+                                       torch::Device device, DeviceBytes& bytes,
+                                       const StageLoss* loss) {
+  MeasuredForward f;
+  synchronize(device);
+  f.before = bytes.current();
+  bytes.reset_peak();
+  const auto t0 = std::chrono::steady_clock::now();
+  f.run = run_stage(stage, in, skips);
+  f.roots = backward_roots(f.run.out, loss);
+  synchronize(device);
+  f.seconds = seconds_since(t0);
+  f.kept = bytes.current();
+  f.working = static_cast<double>(bytes.peak() - f.kept);
+  return f;
+}
+
+// A fresh leaf copy of the input for each measured cell, as a pipe's cell takes (its gradient is
+// then made anew, as the one a cell sends back).
+inline Batch fresh_input(const Batch& in) {
+  bool grad = false;
+  for (const auto& t : in) grad = grad || (t.defined() && t.requires_grad());
+  return leaf_input(in, grad);
+}
+
+// F, then a whole backward B: B's time, the cell's bytes, F's and B's working memory (above the
+// cell and the gradient it received), and the gradient it sends back (its inputs').
+inline void measure_whole(StageSpec& stage, const Batch& in,
+                          const std::map<const SkipInfo*, torch::Tensor>& skips, bool measure,
+                          torch::Device device, DeviceBytes& bytes, const StageLoss* loss,
+                          StageCosts& c, double& forward_seconds, double& backward_seconds) {
+  Batch x = fresh_input(in);
+  MeasuredForward f = measure_forward(stage, x, skips, device, bytes, loss);
+  forward_seconds = f.seconds;
+  auto grads = ones_for(f.roots);
+  synchronize(device);
+  const std::int64_t received = bytes.current() - f.kept;
+  bytes.reset_peak();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!f.roots.empty()) torch::autograd::backward(f.roots, grads);
+  synchronize(device);
+  backward_seconds = seconds_since(t0);
+  if (!measure) return;
+  c.whole.forward = static_cast<double>(f.kept - f.before);
+  c.whole.forward_working = f.working;
+  c.whole.working = static_cast<double>(bytes.peak() - f.kept - received);
+  for (const auto& t : f.run.inputs)
+    c.whole.sent_grad += t.grad().defined() ? static_cast<double>(t.grad().nbytes()) : 0.0;
+  c.output_bytes = bytes_of(f.run.out);
+}
+
+// F, then I and W: their times, the cell's bytes between I and W (its own: the gradient it
+// received and its inputs apart, which W may keep too), I's and W's working memory.
+inline void measure_split(StageSpec& stage, const Batch& in,
+                          const std::map<const SkipInfo*, torch::Tensor>& skips, bool measure,
+                          torch::Device device, DeviceBytes& bytes, const StageLoss* loss,
+                          StageCosts& c, double& input_seconds, double& weight_seconds) {
+  std::optional<Batch> x(fresh_input(in));
+  const double input = bytes_of(*x);
+  MeasuredForward f = measure_forward(stage, *x, skips, device, bytes, loss);
+  auto grads = ones_for(f.roots);
+  synchronize(device);
+  const double received = static_cast<double>(bytes.current() - f.kept);
+  bytes.reset_peak();
+  runtime::SplitBackward split;
+  auto t0 = std::chrono::steady_clock::now();
+  auto input_grads = split.input_grad(f.roots, grads, f.run.inputs);
+  synchronize(device);
+  input_seconds = seconds_since(t0);
+  const double working = static_cast<double>(bytes.peak() - f.kept) - received;
+  // What the cell holds between I and W: the gradients it sent, its outputs and its own graph's
+  // references are gone; then the gradient it received and its inputs, unless W keeps them.
+  const double sent = bytes_of(input_grads);
+  input_grads.clear();
+  f.roots.clear();
+  f.run = StageRun{};
+  synchronize(device);
+  const double with_both = static_cast<double>(bytes.current());
+  grads.clear();
+  synchronize(device);
+  const double with_input = static_cast<double>(bytes.current());
+  x.reset();
+  synchronize(device);
+  const std::int64_t held = bytes.current();
+  const double grad_kept = received - (with_both - with_input);
+  const double input_kept = input - (with_input - static_cast<double>(held));
+  if (measure) {
+    c.split.forward = static_cast<double>(f.kept - f.before);
+    c.split.forward_working = f.working;
+    c.split.input_working = working;
+    c.split.working = working;
+    c.split.sent_grad = sent;
+    c.split.weight_reads_grad = grad_kept > 0;
+    c.split.weight_reads_input = input_kept > 0;
+    // f.before counted the input
+    c.split.input_grad = static_cast<double>(held - f.before) + input - grad_kept - input_kept;
+  }
+  bytes.reset_peak();
+  t0 = std::chrono::steady_clock::now();
+  split.weight_grad();
+  synchronize(device);
+  weight_seconds = seconds_since(t0);
+  if (measure) c.split.weight_working = static_cast<double>(bytes.peak() - held);
+}
+
+// Measures stage `stage` on input `in` (a leaf batch; each cell takes a fresh copy of it) with
+// the earlier stages' skips. Each time keeps its fastest round; round 0 warms up (and leaves
+// the parameters' gradients in place, as in a pipe after its first step) and is not timed; the
+// bytes are read in round 1.
 inline void measure_stage(StageSpec& stage, const Batch& in,
                           const std::map<const SkipInfo*, torch::Tensor>& skips, int round,
                           torch::Device device, DeviceBytes& bytes, const StageLoss* loss,
@@ -186,60 +328,13 @@ inline void measure_stage(StageSpec& stage, const Batch& in,
     if (round > 0) slot = std::min(slot, took);
   };
   const bool measure = round == 1;
-  {
-    // F, then B.
-    synchronize(device);
-    const std::int64_t before = bytes.current();
-    auto t0 = std::chrono::steady_clock::now();
-    StageRun r = run_stage(stage, in, skips);
-    auto [roots, grads] = backward_roots(r.out, loss);
-    synchronize(device);
-    timed(c.forward, seconds_since(t0));
-    synchronize(device);
-    const std::int64_t kept = bytes.current();
-    if (measure) {
-      c.whole.forward = static_cast<double>(kept - before);
-      c.output_bytes = bytes_of(r.out);
-    }
-    bytes.reset_peak();
-    t0 = std::chrono::steady_clock::now();
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
-    synchronize(device);
-    timed(c.backward, seconds_since(t0));
-    if (measure) c.whole.working = static_cast<double>(bytes.peak() - kept);
-  }
-  {
-    // F, then I and W.
-    const std::int64_t before = bytes.current();
-    StageRun r = run_stage(stage, in, skips);
-    auto [roots, grads] = backward_roots(r.out, loss);
-    synchronize(device);
-    const std::int64_t kept = bytes.current();
-    bytes.reset_peak();
-    runtime::SplitBackward split;
-    auto t0 = std::chrono::steady_clock::now();
-    auto input_grads = split.input_grad(roots, grads, r.inputs);
-    synchronize(device);
-    timed(c.input_grad, seconds_since(t0));
-    if (measure) c.split.working = static_cast<double>(bytes.peak() - kept);
-    // What the cell holds between I and W: the output, the input gradients (sent on) and its
-    // own graph's references are gone; W's branches remain.
-    input_grads.clear();
-    roots.clear();
-    r = StageRun{};
-    synchronize(device);
-    const std::int64_t held = bytes.current();
-    if (measure) {
-      c.split.forward = static_cast<double>(kept - before);
-      c.split.input_grad = static_cast<double>(held - before);
-    }
-    bytes.reset_peak();
-    t0 = std::chrono::steady_clock::now();
-    split.weight_grad();
-    synchronize(device);
-    timed(c.weight_grad, seconds_since(t0));
-    if (measure) c.split.weight_working = static_cast<double>(bytes.peak() - held);
-  }
+  double f = 0, b = 0, i = 0, w = 0;
+  measure_whole(stage, in, skips, measure, device, bytes, loss, c, f, b);
+  measure_split(stage, in, skips, measure, device, bytes, loss, c, i, w);
+  timed(c.forward, f);
+  timed(c.backward, b);
+  timed(c.input_grad, i);
+  timed(c.weight_grad, w);
 }
 
 }  // namespace detail
@@ -272,9 +367,11 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
   Batch batch = detail::sample_on(sample, device);
   std::map<const SkipInfo*, torch::Tensor> skips;
   const double inf = std::numeric_limits<double>::infinity();
+  const double replay = detail::replay_bytes(device, bytes);
   for (std::size_t j = 0; j < stages.size(); ++j) {
     StageCosts& c = out[j];
     c.forward = c.backward = c.input_grad = c.weight_grad = inf;
+    c.replay_bytes = replay;
     for (const auto& p : stages[j].module->parameters()) {
       const double n = static_cast<double>(p.nbytes());
       c.param_bytes += n;
@@ -295,6 +392,9 @@ inline std::vector<StageCosts> profile_stages(const torch::nn::Sequential& model
     c.input_bytes = detail::bytes_of(in);
     for (const auto& [skip, t] : skips) {
       if (!r.skips.count(skip) && t.defined()) c.input_bytes += static_cast<double>(t.nbytes());
+    }
+    for (const auto& [skip, t] : r.skips) {
+      if (!skips.count(skip) && t.defined()) c.stash_bytes += static_cast<double>(t.nbytes());
     }
     c.whole.kept = c.split.kept = c.input_bytes;
     c.whole.input_grad = c.whole.forward;

@@ -185,6 +185,7 @@ struct PlanFound {
   balance split;
   bool fused = false;
   schedule::OffloadCosts copies;
+  bool stable = false;  // its split is the split by size, which no run's timings change
 };
 
 // The search of plan_pipeline over every candidate; `plan()` chooses.
@@ -224,13 +225,15 @@ class PipelinePlanner {
         continue;
       }
       if (!splits.count(n)) splits[n] = splits_of(times, sizes, n);
+      const auto by_size = block_sizes(sizes, n);
       for (const auto& [by, split] : splits[n]) {
+        const bool stable = std::equal(split.begin(), split.end(), by_size.begin(), by_size.end());
         if (!costs.count(split)) {
           StageLoss loss;
           if (loss_fn_ && target_.defined()) loss = {loss_fn_, target_.narrow(0, 0, rows_ / m)};
           costs[split] = profile_stages(model_, split, sample, profiling_, loss);
         }
-        for (bool fused : fused_choices_) weigh(sc, m, by, split, costs[split], fused);
+        for (bool fused : fused_choices_) weigh(sc, m, by, split, costs[split], fused, stable);
       }
     }
   }
@@ -246,19 +249,10 @@ class PipelinePlanner {
       return a.weighed.weight.time < b.weighed.weight.time;
     });
     const PlanFound* chosen = nullptr;
-    double smallest = std::numeric_limits<double>::infinity();
     for (const auto& f : found_) {
-      smallest = std::min(smallest, f.weighed.peak / (1.0 - options_.headroom()));
       if (!chosen && f.candidate.fits) chosen = &f;
     }
-    const auto cap = static_cast<double>(options_.memory_per_worker());
-    TORCH_CHECK(chosen != nullptr, who_, ": nothing fits ", mib(cap), " per worker on ",
-                options_.workers(), " workers (headroom ", options_.headroom(),
-                " included); the smallest cap any candidate fits is ",
-                static_cast<std::int64_t>(std::ceil(smallest)), " bytes (", mib(smallest),
-                "). Give at least that, or ",
-                options_.store() ? "" : "a store to offload to (PlanOptions().store(...)), ",
-                "more workers, or a smaller batch");
+    TORCH_CHECK(chosen != nullptr, refusal());
     PipelinePlan out = plan_of(*chosen);
     for (const auto& f : found_) {
       out.candidates.push_back(f.candidate);
@@ -269,6 +263,33 @@ class PipelinePlanner {
   }
 
  private:
+  // Why nothing fits: the smallest cap a candidate every run weighs fits (on the split by size:
+  // the bytes are the same in every run, the times, and so the split by time, are not), and
+  // this run's smaller one on a split by time, if any.
+  std::string refusal() const {
+    const double inf = std::numeric_limits<double>::infinity();
+    double stable = inf, any = inf;
+    for (const auto& f : found_) {
+      const double cap = f.weighed.peak / (1.0 - options_.headroom());
+      any = std::min(any, cap);
+      if (f.stable) stable = std::min(stable, cap);
+    }
+    if (stable == inf) stable = any;
+    std::ostringstream out;
+    out << who_ << ": nothing fits " << mib(static_cast<double>(options_.memory_per_worker()))
+        << " per worker on " << options_.workers() << " workers (headroom " << options_.headroom()
+        << " included); the smallest cap any candidate fits is "
+        << static_cast<std::int64_t>(std::ceil(stable)) << " bytes (" << mib(stable) << ")";
+    if (any < stable) {
+      out << "; in this run a split by time fits " << static_cast<std::int64_t>(std::ceil(any))
+          << " bytes, but another run's timings may split otherwise";
+    }
+    out << ". Give at least that, or "
+        << (options_.store() ? "" : "a store to offload to (PlanOptions().store(...)), ")
+        << "more workers, or a smaller batch";
+    return out.str();
+  }
+
   void skip(const std::string& why) {
     if (std::find(skipped_.begin(), skipped_.end(), why) == skipped_.end()) skipped_.push_back(why);
   }
@@ -304,7 +325,7 @@ class PipelinePlanner {
 
   // Searches one candidate's checkpoint modes and offloads, and records what it found.
   void weigh(const schedule::ScheduleCandidate& sc, int m, const std::string& by,
-             const balance& split, const std::vector<StageCosts>& costs, bool fused) {
+             const balance& split, const std::vector<StageCosts>& costs, bool fused, bool stable) {
     const SearchInput in = input(sc, m, split, costs, fused);
     schedule::PlanCache plans;
     schedule::detail::MemoryCandidate w;
@@ -328,7 +349,7 @@ class PipelinePlanner {
     if (!cand.fits) {
       cand.why_not = "peak " + mib(w.peak) + " over " + mib(usable_) + " (the cap less its headroom)";
     }
-    found_.push_back({std::move(w), cand, &sc, m, by, split, fused, offload_costs_for(in)});
+    found_.push_back({std::move(w), cand, &sc, m, by, split, fused, offload_costs_for(in), stable});
   }
 
   PipelinePlan plan_of(const PlanFound& f) const {

@@ -43,11 +43,10 @@ struct SearchInput {
   std::optional<schedule::OffloadCosts> copies;
 };
 
-// The simulated step time of `plan` on the stages' profiled costs: an offload or a reload takes
-// its bytes over the store's speed (on copy lanes beside the compute); with the fused step, a
-// stage's last B or W also steps its parameters; without, the optimizer steps every parameter
-// after the pipeline.
-inline double step_seconds(const schedule::Plan& plan, const SearchInput& in) {
+// `plan` simulated on the stages' profiled costs: an offload or a reload takes its bytes over the
+// store's speed (on copy lanes beside the compute); with the fused step, a stage's last B or W
+// also steps its parameters.
+inline schedule::Simulation simulate_step(const schedule::Plan& plan, const SearchInput& in) {
   const auto& costs = *in.costs;
   const auto spans = schedule::detail::gradient_spans(plan);
   // simulate's cost function sees actions, not places: a cell's action is unique in its program.
@@ -70,42 +69,57 @@ inline double step_seconds(const schedule::Plan& plan, const SearchInput& in) {
     }
     return t;
   };
-  double seconds = schedule::simulate(plan, cost).makespan();
+  return schedule::simulate(plan, cost);
+}
+
+// The step's time: the simulated pipeline's, and without the fused step the optimizer stepping
+// every parameter after it.
+inline double step_seconds(const schedule::Simulation& sim, const SearchInput& in) {
+  double seconds = sim.makespan();
   if (!in.fused) {
     for (double s : in.step_seconds) seconds += s;
   }
   return seconds;
 }
 
-// The cells' bytes for `plan`: a split backward's where the schedule splits (it has I actions).
-// What a checkpointed cell keeps, and where: in one process a stage's output is the next stage's
-// input, one tensor charged to the worker that made it, so a checkpointed cell costs its worker
-// its output, which the next stage holds (the last stage's loss is a scalar); on separate devices
-// each stage holds a copy of its input, as long as its cell lives.
-inline std::vector<schedule::CellBytes> cells_of(const schedule::Plan& plan,
-                                                 const std::vector<StageCosts>& costs,
+// The cells' bytes for `plan`, from each stage's profile: F's and B's from its whole backward,
+// I's and W's from its split one (a plan may hold both, DualPipeV does). Where tensors live: in
+// one process a stage's output is the next stage's input, one tensor made by, and charged to,
+// the worker of the stage that made it for as long as either cell holds it (its bytes are
+// `output`), and so is the gradient a cell sends back (`sent_grad`): a checkpointed cell keeps
+// only its replay's state of its own. On separate devices each stage holds a copy of its
+// input as long as its cell lives (W may keep it) and a copy of the gradient it receives from
+// its backward on (W may keep it too).
+inline std::vector<schedule::CellBytes> cells_of(const std::vector<StageCosts>& costs,
                                                  bool separate_devices) {
-  bool split = false;
-  for (const auto& program : plan.programs) {
-    for (const auto& a : program) split = split || a.kind == schedule::ActionKind::input_grad;
-  }
   std::vector<schedule::CellBytes> out;
   for (std::size_t j = 0; j < costs.size(); ++j) {
     const auto& c = costs[j];
-    schedule::CellBytes b = split ? c.split : c.whole;
+    const bool last = j + 1 == costs.size();
+    schedule::CellBytes b = c.whole;
+    b.forward = std::max(c.whole.forward, c.split.forward);
+    b.forward_working = std::max(c.whole.forward_working, c.split.forward_working);
+    b.input_grad = c.split.input_grad;
+    b.input_working = c.split.input_working;
+    b.weight_working = c.split.weight_working;
+    b.weight_reads_input = c.split.weight_reads_input;
+    b.weight_reads_grad = c.split.weight_reads_grad;
+    const double received = last ? 0.0 : c.output_bytes;  // the gradient of its output
     if (separate_devices) {
       const double copy = j == 0 ? 0.0 : c.input_bytes;
       b.forward += copy;
-      b.input_grad += copy;
-      b.kept = c.input_bytes;
-    } else if (j + 1 < costs.size()) {
-      // One process: the gradient a cell receives is made, and counted, on the next stage's
-      // worker (profile_stages counts it with the cell, as a device holding it would).
-      b.forward -= c.output_bytes;
-      b.input_grad -= c.output_bytes;
-      b.kept = c.output_bytes;
+      b.working += received;
+      b.input_working += received;
+      b.input_grad += (b.weight_reads_input ? copy : 0.0) + (b.weight_reads_grad ? received : 0.0);
+      b.kept = c.input_bytes + c.replay_bytes;
+      b.sent_grad = 0.0;
+      b.output = 0.0;
     } else {
-      b.kept = 0.0;
+      b.output = last ? 0.0 : c.output_bytes;
+      b.sent_grad = std::max(c.whole.sent_grad, c.split.sent_grad);
+      // Its inputs are the previous stage's output (or the caller's); what it stashes, a later
+      // stage's cell holds until about its recompute.
+      b.kept = c.replay_bytes + c.stash_bytes;
     }
     out.push_back(b);
   }
@@ -133,18 +147,22 @@ inline schedule::detail::MemoryCandidate search_choices(const SearchInput& in, b
                                                         schedule::PlanCache& plans) {
   const auto copies = offload_costs_for(in);
   const auto allowed = schedule::detail::offload_allowed(in.stages, in.may_offload, copies);
+  const auto cells = cells_of(*in.costs, in.separate_devices);
   schedule::detail::MemoryPlanner planner(
       *in.sched, in.micro_batches, in.stages, in.cap, copies,
       [&](const schedule::Plan& plan) {
         schedule::detail::PlanWeight w;
-        w.memory = schedule::worker_memory(plan, cells_of(plan, *in.costs, in.separate_devices), in.state, in.fused);
+        const auto sim = simulate_step(plan, in);
+        w.memory = schedule::worker_memory(plan, cells, in.state, in.fused, sim.timeline);
         for (const auto& m : w.memory) w.peaks.push_back(m.peak);
-        w.time = step_seconds(plan, in);
+        w.time = step_seconds(sim, in);
         return w;
       },
       for_memory, &plans);
-  planner.raise_per_stage(schedule::detail::choice_ladder(allowed));
+  const auto ladder = schedule::detail::choice_ladder(allowed);
+  planner.raise_per_stage(ladder);
   planner.try_uniform(allowed);
+  if (!planner.best()) planner.raise_together(ladder);
   return planner.best() ? *planner.best() : *planner.smallest();
 }
 

@@ -165,6 +165,20 @@ class MemoryPlanner {
     }
   }
 
+  // Every stage up its ladder together, one step at a time (each stops at its last choice),
+  // each setting not tried yet: the settings raise_per_stage tries when every worker is over,
+  // so a search that found none fitting weighs, at any budget, the smallest one a search at a
+  // budget nothing fits finds (what a refusal names then fits when given).
+  void raise_together(const std::vector<std::vector<StageChoice>>& ladder) {
+    std::size_t longest = 0;
+    for (const auto& l : ladder) longest = std::max(longest, l.size());
+    for (std::size_t level = 0; level < longest; ++level) {
+      std::vector<StageChoice> choices;
+      for (const auto& l : ladder) choices.push_back(l[std::min(level, l.size() - 1)]);
+      if (!tried_.contains(describe(choices))) offer(evaluate(std::move(choices)));
+    }
+  }
+
   // The same choice on every stage (a uniform offload only where the stage may offload), each
   // one not tried yet.
   void try_uniform(const std::vector<bool>& allowed) {
