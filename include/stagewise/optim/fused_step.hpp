@@ -2,17 +2,20 @@
 
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/state_offload.hpp"
 
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -154,6 +157,7 @@ class FusedStep {
                   "gradients per backward (a layer recomputed twice).");
     }
     for (auto& slot : st.slots) slot->flush();
+    finish_offload();
     reset_counts();  // not reset_step: a norm pass (clip_grad_norm_step) still needs the norms
   }
 
@@ -171,6 +175,7 @@ class FusedStep {
   /// Forgets the current step (e.g. after an exception mid-backward): pending gradients are
   /// freed and the counts reset; optimizer state is kept.
   void reset_step() {
+    if (state().offload) state().offload->abandon();  // nothing of the step is applied
     for (auto& slot : state().slots) {
       slot->norm = torch::Tensor();
       slot->has_norm = false;
@@ -268,7 +273,34 @@ class FusedStep {
     slot.use_gradient();
     slot.updates.fetch_sub(1, std::memory_order_relaxed);
     state().shared.updated.fetch_sub(1, std::memory_order_relaxed);
+    // An offloaded parameter is updated once its host step is done (a pipe's data-parallel step
+    // defers that to the step's end, where it finishes them all).
+    if (slot.offloaded && !state().shared.defer_offload_finish) state().offload->finish();
   }
+
+  /// Keeps the optimizer state of some parameters off their device, where their step runs too
+  /// (a `StateOffload`; stagewise's is `runtime::OffloadedState`: a share of the parameters,
+  /// largest first, their state in a `HostStore` or a `FileStore`, each stepped on a host thread
+  /// while backward goes on). A held parameter's final gradient is handed over in its hook (and
+  /// freed here); its host step is its optimizer's own on CPU tensors, so on the CPU the result
+  /// is bit-identical to the fused step without it; its new value is written back by
+  /// `finish_step()`, which each step then needs (a pipe's `train_step` calls it; a gradient
+  /// that arrives while a step is unfinished is an error). A step updates every held parameter
+  /// or, if one host step fails (a full disk), none: parameters and state stay as they were and
+  /// `finish_step()` throws naming the file. State already made (a loaded save) moves into it.
+  /// Once, between steps.
+  ///   fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore(), /*share=*/1.0));
+  template <class Offload>
+  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
+  void offload_state(Offload&& offload) {
+    install(std::make_shared<std::remove_cvref_t<Offload>>(std::forward<Offload>(offload)));
+  }
+  /// Whether `offload_state` was given.
+  bool offloads_state() const { return state().offload != nullptr; }
+  /// Whether parameter `i`'s state is offloaded (`offload_state`).
+  bool offloaded(std::size_t i) const { return state().slots.at(i)->offloaded; }
+  /// The offload `offload_state` was given (null if none), e.g. to read its statistics.
+  const StateOffload* state_offload() const { return state().offload.get(); }
 
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
@@ -276,6 +308,12 @@ class FusedStep {
   void save(torch::serialize::OutputArchive& archive) const {
     auto combined = combined_optimizer();
     for (const auto& slot : state().slots) {
+      if (slot->offloaded) {  // from the store
+        if (auto s = state().offload->state(slot->index)) {
+          combined->state()[detail::optimizer_state_key(slot->param)] = std::move(s);
+        }
+        continue;
+      }
       // Same tensor, same key: the entries move over as they are (clone() shares the tensors).
       for (const auto& [key, param_state] : slot->optimizer->state()) {
         combined->state()[key] = param_state->clone();
@@ -294,7 +332,12 @@ class FusedStep {
       map.clear();
       const auto key = detail::optimizer_state_key(slot->param);
       auto it = combined->state().find(key);
-      if (it != combined->state().end()) map[key] = std::move(it->second);
+      const bool saved = it != combined->state().end();
+      if (slot->offloaded) {  // into the store
+        state().offload->set_state(slot->index, saved ? std::move(it->second) : nullptr);
+      } else if (saved) {
+        map[key] = std::move(it->second);
+      }
       slot->optimizer->param_groups()[0].set_options(options.clone());
     }
   }
@@ -309,6 +352,42 @@ class FusedStep {
       slot->param.mutable_grad().reset();
     }
     st.shared.updated.store(0);
+  }
+
+  // Ends the offloaded parameters' step (their updates applied, or none and an error).
+  void finish_offload() {
+    if (!state().offload) return;
+    try {
+      state().offload->finish();
+    } catch (...) {
+      reset_counts();
+      throw;
+    }
+  }
+
+  // offload_state's work: binds `offload` to the parameters and moves the state they have into
+  // it (the device's copy is dropped only once all of it is there).
+  void install(std::shared_ptr<StateOffload> offload) {
+    auto& st = state();
+    TORCH_CHECK(!st.offload, "stagewise::optim::FusedStep::offload_state: the state is offloaded "
+                "already (", st.offload ? st.offload->describe() : "", "); give a FusedStep one "
+                "offload, once");
+    check_between_steps("offload_state");
+    std::vector<std::string> names;
+    for (const auto& slot : st.slots) names.push_back(slot->name);
+    offload->bind(parameters(), names, st.factory);
+    for (auto& slot : st.slots) {
+      if (!offload->holds(slot->index)) continue;
+      auto& map = slot->optimizer->state();
+      auto it = map.find(detail::optimizer_state_key(slot->param));
+      if (it != map.end()) offload->set_state(slot->index, it->second->clone());
+    }
+    for (auto& slot : st.slots) {
+      slot->offloaded = offload->holds(slot->index);
+      if (slot->offloaded) slot->optimizer->state().clear();
+    }
+    st.offload = std::move(offload);
+    st.shared.offload = st.offload.get();
   }
 
   friend struct detail::FusedStepAccess;
