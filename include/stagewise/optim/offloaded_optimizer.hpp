@@ -47,6 +47,14 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
   /// Any optimizer `factory` builds (one group over exactly the parameters it is given, stepping
   /// without a closure, whose state `offload` knows: SGD, Adam, AdamW, RMSprop, Adagrad for
   /// `runtime::OffloadedState`).
+  template <class Offload>
+  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
+  OffloadedOptimizer(detail::ParameterList params, OptimizerFactory factory, Offload&& offload)
+      : OffloadedOptimizer(std::move(params), std::move(factory),
+                           std::make_shared<std::remove_cvref_t<Offload>>(
+                               std::forward<Offload>(offload))) {}
+
+  /// The same, with an offload shared with its owner.
   OffloadedOptimizer(detail::ParameterList params, OptimizerFactory factory,
                      std::shared_ptr<StateOffload> offload)
       : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
