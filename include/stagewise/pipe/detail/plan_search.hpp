@@ -7,6 +7,7 @@
 // schedule::worker_memory.
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/pipe/detail/state_offload_plan.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/detail/memory_planner.hpp"
 #include "stagewise/schedule/offload.hpp"
@@ -41,6 +42,9 @@ struct SearchInput {
   bool separate_devices = false;
   // The offload pass's costs (none: from the stages' forward times and the store's speed).
   std::optional<schedule::OffloadCosts> copies;
+  // Per stage, the host steps and copies of its offloaded optimizer state (empty: none;
+  // state_offload_plan.hpp); `step_seconds` is then the device's part of the step.
+  std::vector<double> host_seconds;
 };
 
 // The simulated step time of `plan` on the stages' profiled costs: an offload or a reload takes
@@ -70,11 +74,12 @@ inline double step_seconds(const schedule::Plan& plan, const SearchInput& in) {
     }
     return t;
   };
-  double seconds = schedule::simulate(plan, cost).makespan();
+  const auto sim = schedule::simulate(plan, cost);
+  double seconds = sim.makespan();
   if (!in.fused) {
     for (double s : in.step_seconds) seconds += s;
   }
-  return seconds;
+  return with_host_steps(sim, plan, in.host_seconds, in.fused, seconds);
 }
 
 // The cells' bytes for `plan`: a split backward's where the schedule splits (it has I actions).
