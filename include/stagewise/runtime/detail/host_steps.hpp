@@ -3,8 +3,9 @@
 // runtime::OffloadedState's machinery: the held parameters, and each step's host steps in flight.
 // A held parameter's final gradient and its value go to the host (a GPU's: copied by the copy
 // engine on a stream of its own, queued in the gradient's hook after the work that made it, into
-// pinned buffers; a CPU's: cloned by a copier thread, which stands for that engine, so that the
-// worker's gradient is freed as soon as it is copied); a host thread of the thread that handed it
+// pinned buffers; a CPU's gradient: cloned by a copier thread, which stands for that engine, so
+// that the worker's gradient is freed as soon as it is copied, and its value by its host step);
+// a host thread of the thread that handed it
 // over then reads the state from the store, runs the optimizer's own step on the host tensors and
 // stages the new state in the store; `finish` waits for them all, then commits the store and
 // copies each new value back into its parameter (on the caller's current stream), or, if any
@@ -58,7 +59,7 @@ struct HeldParameter {
 // One parameter's host step in flight.
 struct HostJob {
   std::size_t held = 0;                 // into HostSteps' held parameters
-  torch::Tensor grad, param;            // a CPU parameter's, until the copier has copied them
+  torch::Tensor grad, param;            // a CPU parameter's, until they are copied
   torch::Tensor grad_host, param_host;  // on the host
   std::optional<PinnedBuffer> grad_buffer, param_buffer;  // behind them, for a GPU parameter
   std::optional<c10::Event> landed;     // the device-to-host copies' end (a GPU parameter)
@@ -123,16 +124,17 @@ class HostSteps {
     }
     Worker& steps = stepper();
     if (param.device().is_cpu()) {
+      // The gradient is copied at once (the worker's is freed then); the value, which nothing
+      // changes before finish, when its host step runs.
       job->grad = grad.detach();
       job->param = param.detach();
       copier().post([this, job, &steps] {
         try {
           job->grad_host = job->grad.clone();
-          job->param_host = job->param.clone();
         } catch (...) {
           job->error = std::current_exception();
         }
-        job->grad = job->param = torch::Tensor();  // the worker's gradient goes now
+        job->grad = torch::Tensor();  // the worker's gradient goes now
         steps.post([this, job] { run(*job); });
       });
       return;
@@ -269,6 +271,10 @@ class HostSteps {
   void step_on_host(HostJob& job) {
     torch::NoGradGuard no_grad;
     const HeldParameter& p = held_[job.held];
+    if (job.param.defined()) {  // a CPU parameter's value
+      job.param_host = job.param.clone();
+      job.param = torch::Tensor();
+    }
     auto record = store_.read_state(p.key);
     auto optimizer = factory_({job.param_host});
     optimizer->param_groups()[0].set_options(job.options->clone());
