@@ -279,28 +279,20 @@ class FusedStep {
   }
 
   /// Keeps the optimizer state of some parameters off their device, where their step runs too
-  /// (a `StateOffload`; stagewise's is `runtime::OffloadedState`: a share of the parameters,
-  /// largest first, their state in a `HostStore` or a `FileStore`, each stepped on a host thread
-  /// while backward goes on). A held parameter's final gradient is handed over in its hook (and
-  /// freed here); its host step is its optimizer's own on CPU tensors, so on the CPU the result
-  /// is bit-identical to the fused step without it; its new value is written back by
-  /// `finish_step()`, which each step then needs (a pipe's `train_step` calls it; a gradient
-  /// that arrives while a step is unfinished is an error). A step updates every held parameter
-  /// or, if one host step fails (a full disk), none: parameters and state stay as they were and
-  /// `finish_step()` throws naming the file. State already made (a loaded save) moves into it.
-  /// Once, between steps.
+  /// (`runtime::OffloadedState`: a share of them, largest first, in a `HostStore` or a
+  /// `FileStore`, stepped on host threads beside backward; bit-identical on the CPU). Their new
+  /// values are written back by `finish_step()`, which each step then needs; a step updates all
+  /// of them or, if a host step fails, none. State already made moves into it. Once, between
+  /// steps. See docs/memory.md, "The model's state".
   ///   fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore(), /*share=*/1.0));
   template <class Offload>
   requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
   void offload_state(Offload&& offload) {
     install(std::make_shared<std::remove_cvref_t<Offload>>(std::forward<Offload>(offload)));
   }
-  /// Whether `offload_state` was given.
+  /// Whether `offload_state` was given, and whether it holds parameter `i`'s state.
   bool offloads_state() const { return state().offload != nullptr; }
-  /// Whether parameter `i`'s state is offloaded (`offload_state`).
   bool offloaded(std::size_t i) const { return state().slots.at(i)->offloaded; }
-  /// The offload `offload_state` was given (null if none), e.g. to read its statistics.
-  const StateOffload* state_offload() const { return state().offload.get(); }
 
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
@@ -365,29 +357,13 @@ class FusedStep {
     }
   }
 
-  // offload_state's work: binds `offload` to the parameters and moves the state they have into
-  // it (the device's copy is dropped only once all of it is there).
+  // offload_state's work (between steps only; detail::install_offload).
   void install(std::shared_ptr<StateOffload> offload) {
-    auto& st = state();
-    TORCH_CHECK(!st.offload, "stagewise::optim::FusedStep::offload_state: the state is offloaded "
-                "already (", st.offload ? st.offload->describe() : "", "); give a FusedStep one "
-                "offload, once");
+    TORCH_CHECK(!state().offload, "stagewise::optim::FusedStep::offload_state: the state is "
+                "offloaded already (", state().offload ? state().offload->describe() : "",
+                "); give a FusedStep one offload, once");
     check_between_steps("offload_state");
-    std::vector<std::string> names;
-    for (const auto& slot : st.slots) names.push_back(slot->name);
-    offload->bind(parameters(), names, st.factory);
-    for (auto& slot : st.slots) {
-      if (!offload->holds(slot->index)) continue;
-      auto& map = slot->optimizer->state();
-      auto it = map.find(detail::optimizer_state_key(slot->param));
-      if (it != map.end()) offload->set_state(slot->index, it->second->clone());
-    }
-    for (auto& slot : st.slots) {
-      slot->offloaded = offload->holds(slot->index);
-      if (slot->offloaded) slot->optimizer->state().clear();
-    }
-    st.offload = std::move(offload);
-    st.shared.offload = st.offload.get();
+    detail::install_offload(state(), std::move(offload));
   }
 
   friend struct detail::FusedStepAccess;

@@ -150,7 +150,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
                            schedule::Timeline* timeline = nullptr) {
     if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
       detail::refuse_local_clip(fused, transport_->processes(), where_);
-      detail::offload_fused_state(fused, stages_, resolved_, who_);  // optimizer_offload
+      detail::offload_fused_state(fused, stages_, resolved_);  // optimizer_offload
     }
     if (replicas_.many()) {
       if constexpr (std::is_same_v<Fused, optim::FusedStep>) {

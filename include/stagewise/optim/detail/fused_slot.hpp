@@ -240,6 +240,30 @@ struct FusedState {
   std::shared_ptr<optim::StateOffload> offload;  // FusedStep::offload_state; shared.offload
 };
 
+// Binds `offload` to the fused step's parameters (FusedStep::offload_state) and moves the state
+// they have into it; the device's copy is dropped only once all of it is there.
+inline void install_offload(FusedState& st, std::shared_ptr<optim::StateOffload> offload) {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& slot : st.slots) {
+    params.push_back(slot->param);
+    names.push_back(slot->name);
+  }
+  offload->bind(params, names, st.factory);
+  for (auto& slot : st.slots) {
+    if (!offload->holds(slot->index)) continue;
+    auto& map = slot->optimizer->state();
+    auto it = map.find(optimizer_state_key(slot->param));
+    if (it != map.end()) offload->set_state(slot->index, it->second->clone());
+  }
+  for (auto& slot : st.slots) {
+    slot->offloaded = offload->holds(slot->index);
+    if (slot->offloaded) slot->optimizer->state().clear();
+  }
+  st.offload = std::move(offload);
+  st.shared.offload = st.offload.get();
+}
+
 // Checks the parameters and builds one optimizer per parameter (FusedStep's constructor).
 inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,
                                                     optim::OptimizerFactory factory) {

@@ -60,9 +60,17 @@ inline runtime::OffloadedState offloaded_state_of(
 /// given before): a fused step is offloaded once.
 inline void offload_fused_state(optim::FusedStep& fused,
                                 const std::vector<std::unique_ptr<runtime::StageRuntime>>& stages,
-                                const ResolvedPipeOptions& options, const std::string& who) {
+                                const ResolvedPipeOptions& options) {
   if (!options.optimizer_store || fused.offloads_state()) return;
-  fused.offload_state(offloaded_state_of(stages, options, who));
+  // Of the chosen parameters, those the fused step steps (it may leave some to another).
+  const auto mine = fused.parameters();
+  std::vector<torch::Tensor> held;
+  for (const auto& p : offloaded_parameters(stages, options.optimizer_shares)) {
+    for (const auto& q : mine) {
+      if (q.is_same(p)) held.push_back(p);
+    }
+  }
+  fused.offload_state(runtime::OffloadedState(*options.optimizer_store, std::move(held)));
 }
 
 }  // namespace stagewise::detail

@@ -117,18 +117,19 @@ class HostSteps {
     job->held = static_cast<std::size_t>(held_of_[i]);
     job->options = options.clone();
     const torch::Tensor& param = held_[job->held].param;
+    Worker& steps = stepper();
+    Worker* copies = param.device().is_cpu() ? &copier() : nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       jobs_.push_back(job);
       ++running_;
     }
-    Worker& steps = stepper();
-    if (param.device().is_cpu()) {
+    if (copies != nullptr) {
       // The gradient is copied at once (the worker's is freed then); the value, which nothing
       // changes before finish, when its host step runs.
       job->grad = grad.detach();
       job->param = param.detach();
-      copier().post([this, job, &steps] {
+      copies->post([this, job, &steps] {
         try {
           job->grad_host = job->grad.clone();
         } catch (...) {
