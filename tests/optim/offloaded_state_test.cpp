@@ -377,6 +377,24 @@ TEST_SUITE("optimizer state off the device") {
                    "the share is 1.5; give a share of the parameters' bytes from 0 (none) to 1"));
   }
 
+  TEST_CASE("step_parameter (a data-parallel step, hooks detached) applies each update at once") {
+    // As distributed::DataParallel::step_with steps each parameter once its average is written.
+    const auto want = values(test::train_unfused(optim::AdamOptions(1e-2), {}, 3));
+    auto net = test::make_net({});
+    sw::optim::FusedStep fused(net->named_parameters(), optim::AdamOptions(1e-2));
+    fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore(), 0.5));
+    fused.detach();
+    for (int s = 0; s < 3; ++s) {
+      test::forward_backward(net, s);
+      for (std::size_t i = 0; i < fused.size(); ++i) {
+        const auto before = net->parameters()[i].detach().clone();
+        fused.step_parameter(i);
+        CHECK_FALSE(torch::equal(net->parameters()[i], before));  // updated on return
+      }
+    }
+    CHECK(equal(values(net), want));
+  }
+
   TEST_CASE("saves load into an optimizer with or without offloaded state, bit for bit") {
     // Train 3 steps, save, load into the other kind, train 3 more: every way round equals 6
     // steps of the plain optimizer.
