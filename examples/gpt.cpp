@@ -45,7 +45,7 @@ int train(PipeT& pipe, const gpt::Flags& f, const gpt::Corpus& corpus, int rank,
   if (f.resume) {
     const auto dir = gpt::latest_save(f.out);
     TORCH_CHECK(!dir.empty(), "gpt: --resume found no save in ", f.out,
-                " (ckpt-<step>/ with rank0.pt); run without --resume first");
+                " (a complete ckpt-<step>/); run without --resume first");
     first = pipe->load(dir, fused, scaler) + 1;
     log = gpt::read_losses(f.out + "/losses.csv", first);
     if (lead) std::printf("resumed from %s at step %lld\n", dir.c_str(), (long long)first);

@@ -4,6 +4,8 @@
 
 #include "examples/gpt/plot.hpp"
 
+#include <stagewise/pipe/save_info.hpp>
+
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -13,23 +15,25 @@
 
 namespace gpt {
 
-/// The complete save (one with rank0.pt) of the highest step under `out`, or "" if none.
+/// The complete save (stagewise::read_save_info) of the highest step among `out`'s ckpt-<step>/
+/// directories, or "" if none (final/, the run's last save, is for export).
 inline std::string latest_save(const std::string& out) {
   namespace fs = std::filesystem;
   std::string best;
   long long best_step = -1;
   if (!fs::is_directory(out)) return best;
   for (const auto& e : fs::directory_iterator(out)) {
-    const auto name = e.path().filename().string();
-    if (name.rfind("ckpt-", 0) != 0 || !fs::exists(e.path() / "rank0.pt")) continue;
-    const long long step = std::atoll(name.c_str() + 5);
-    if (step > best_step) best_step = step, best = e.path().string();
+    if (e.path().filename().string().rfind("ckpt-", 0) != 0) continue;
+    const auto info = stagewise::read_save_info(e.path().string());
+    if (info && info->step > best_step) best_step = info->step, best = info->dir;
   }
   return best;
 }
 
-/// The split a run trained with (`<out>/balance`: layers per stage), which --resume reuses:
-/// a split measured again could differ, and a save loads only into the split that made it.
+/// The split a run trained with (`<out>/balance`: layers per stage), which --resume reuses: a
+/// split measured again could differ, and though a save loads into any split, the same split
+/// resumes bit for bit (in one process, random layers in several stages draw in their threads'
+/// order; docs/distributed.md, "Resume on other ranks").
 inline void write_balance(const std::string& out, const std::vector<int64_t>& b) {
   std::ofstream f(out + "/balance");
   TORCH_CHECK(f, "gpt: cannot write '", out, "/balance'");

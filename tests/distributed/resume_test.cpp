@@ -1,7 +1,7 @@
 // Save and resume across processes: a job killed mid-step and restarted from its last save ends
 // bit for bit where a job never interrupted ends (parameters, buffers, optimizer state fused or
-// not, random numbers); a failed save fails on every rank; a save from another number of ranks
-// is refused.
+// not, random numbers); a failed save fails on every rank and is refused by load. (Resuming
+// under other plans: resume_plans_test.cpp.)
 
 #include "stagewise/distributed.hpp"
 #include "stagewise/stagewise.hpp"
@@ -130,27 +130,6 @@ struct Job {
   }
 };
 
-// The newest save under `root` that every one of `ranks` ranks completed (what a restart script
-// would pick).
-fs::path last_complete_save(const fs::path& root, int ranks) {
-  fs::path best;
-  long best_step = -1;
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const auto name = entry.path().filename().string();
-    if (name.rfind("step-", 0) != 0) continue;
-    bool complete = true;
-    for (int r = 0; r < ranks; ++r) {
-      complete = complete && fs::exists(entry.path() / ("rank" + std::to_string(r) + ".pt"));
-    }
-    const long step = std::stol(name.substr(5));
-    if (complete && step > best_step) {
-      best_step = step;
-      best = entry.path();
-    }
-  }
-  return best;
-}
-
 }  // namespace
 
 TEST_SUITE("distributed save and resume") {
@@ -178,13 +157,16 @@ TEST_SUITE("distributed save and resume") {
       CHECK_FALSE(killed[0].timed_out);
       INFO(killed[0].text);
       CHECK(contains(killed[0].text, "rank 1"));
-      const auto last = last_complete_save(root, 2);
-      CHECK(last.filename() == "step-2");
+      const auto last = sw::latest_save(root.string());  // what a restart script would pick
+      REQUIRE(last.has_value());
+      CHECK(fs::path(last->dir).filename() == "step-2");
+      CHECK(last->step == 2);
+      CHECK(last->processes == 2);
 
       const auto resumed = run_ranks(
           2,
           [&](int rank) {
-            Job{fused, -1, {}, last}.run(rank);
+            Job{fused, -1, {}, last->dir}.run(rank);
           },
           60s);
       INFO(resumed[0].text);
@@ -221,37 +203,15 @@ TEST_SUITE("distributed save and resume") {
     CHECK(contains(r[0].text, "; the save in " + (root / "ok").string() +
                                   " is incomplete and cannot be loaded\n"));
     CHECK(contains(r[1].text, "stagewise::distributed::Pipe::save: " + cause));
-    // Rank 1's part is missing under "ok": every rank refuses it, naming rank 1's file.
-    const std::string refusal =
-        "stagewise::distributed::Pipe::load: rank 1 failed: " + (root / "ok").string() +
-        " has no " + (root / "ok" / "rank1.pt").string() +
-        " (rank 1's part of a save): it is not a save, or the job "
-        "stopped while saving; resume from an earlier save; nothing was "
-        "loaded";
-    CHECK(contains(r[0].text, refusal));
-  }
-
-  TEST_CASE("a save of two ranks is refused by one process, naming the number to start") {
-    const auto root = scratch("world");
-    const auto saved = run_ranks(
-        2,
-        [&](int) {
-          sw::distributed::Pipe pipe(model(1), sw::balance{3, 4}, sw::PipeOptions().chunks(2),
-                                     sw::distributed::Options().timeout(10s));
-          pipe->save(root.string(), 4);
-        },
-        60s);
-    REQUIRE(saved[0].status == 0);
-    REQUIRE(saved[1].status == 0);
-    const auto one = run_ranks(
-        1,
-        [&](int) {
-          auto pipe = sw::Pipe<>(model(1), sw::balance{3, 4}, sw::PipeOptions().chunks(2));
-          report(error_of([&] { pipe->load(root.string()); }));
-        },
-        60s);
-    CHECK(one[0].text == "stagewise::Pipe::load: cannot load the save in " + root.string() +
-                             ": it was made by 2 processes but this pipe runs in 1; resume with "
-                             "as many ranks as saved it (WORLD_SIZE=2)");
+    // The save under "ok" has rank 0's files but no index: every rank refuses it, naming it.
+    const std::string refusal = "stagewise::distributed::Pipe::load: rank 0 failed: " +
+                                (root / "ok").string() + " has no " +
+                                (root / "ok" / "index.pt").string() +
+                                ": the job stopped while saving; resume from an earlier save; "
+                                "nothing was loaded";
+    CHECK(contains(r[1].text, refusal));
+    CHECK(contains(r[0].text, "stagewise::distributed::Pipe::load: " + (root / "ok").string() +
+                                  " has no " + (root / "ok" / "index.pt").string() +
+                                  ": the job stopped while saving"));
   }
 }

@@ -198,46 +198,69 @@ TEST_SUITE("optimizer state off the device, in a pipe") {
     }
   }
 
-  TEST_CASE("a save resumes bit for bit with the offload turned on or off") {
+  TEST_CASE("a save resumes bit for bit with the offload turned on or off, under another split") {
+    // Two steps, a save, then two more in a new pipe (split {4, 4}, or {2, 6} after): every way
+    // round equals four steps without offload. Fused: the FusedStep takes the pipe's offload at
+    // its first train_step, after the load (the loaded state moves into the store); unfused: a
+    // plain Adam, or an optim::OffloadedOptimizer bound to pipe->offloaded_state().
     const std::string dir = temp_dir("saves");
     auto x = torch::randn({16, 6}), t = torch::randn({16, 3});
-    auto run = [&](bool offload_before, bool offload_after) {
-      auto options = [&](bool on) {
-        auto o = sw::PipeOptions().chunks(4);
-        if (on) o.optimizer_offload(sw::runtime::FileStore(dir), 0.5);
-        return o;
-      };
-      const std::string save = dir + "/save_" + std::to_string(offload_before) +
-                               std::to_string(offload_after);
-      {
-        auto m = model();
-        auto pipe = sw::Pipe(m, sw::balance{4, 4}, options(offload_before));
-        sw::optim::FusedStep fused(pipe->named_parameters(), torch::optim::AdamOptions(0.01));
-        torch::manual_seed(3);
-        for (int step = 0; step < 2; ++step) pipe->train_step(x, t, Loss{}, fused);
-        pipe->save(save, fused, 2);
-      }
+    const auto adam = torch::optim::AdamOptions(0.01);
+    auto options = [&](bool on) {
+      auto o = sw::PipeOptions().chunks(4);
+      if (on) o.optimizer_offload(sw::runtime::FileStore(dir), 0.5);
+      return o;
+    };
+    // Steps `from` to `to` of a pipe over a fresh model split by `b`, loading `load` first and
+    // saving to `save` at the end (either may be empty); the parameters after.
+    auto run = [&](bool fused, bool offload, const sw::balance& b, const std::string& load,
+                   const std::string& save, int from, int to) {
       auto m = model();
-      auto pipe = sw::Pipe(m, sw::balance{4, 4}, options(offload_after));
-      sw::optim::FusedStep fused(pipe->named_parameters(), torch::optim::AdamOptions(0.01));
-      CHECK(pipe->load(save, fused) == 2);
-      for (int step = 2; step < 4; ++step) pipe->train_step(x, t, Loss{}, fused);
+      auto pipe = sw::Pipe(m, b, options(offload));
+      std::optional<sw::optim::FusedStep> f;
+      std::unique_ptr<torch::optim::Optimizer> u;
+      if (fused) {
+        f.emplace(pipe->named_parameters(), adam);
+      } else if (offload) {
+        u = std::make_unique<sw::optim::OffloadedOptimizer>(pipe->named_parameters(), adam,
+                                                            pipe->offloaded_state());
+      } else {
+        u = std::make_unique<torch::optim::Adam>(pipe->parameters(), adam);
+      }
+      if (!load.empty()) CHECK((f ? pipe->load(load, *f) : pipe->load(load, *u)) == from);
+      if (load.empty()) torch::manual_seed(3);
+      for (int step = from; step < to; ++step) {
+        if (f) {
+          pipe->train_step(x, t, Loss{}, *f);
+        } else {
+          pipe->train_step(x, t, Loss{});
+          u->step();
+          for (auto& p : pipe->parameters()) p.mutable_grad().reset();
+        }
+      }
+      if (!save.empty()) {
+        if (f) {
+          pipe->save(save, *f, to);
+        } else {
+          pipe->save(save, *u, to);
+        }
+      }
       return values(pipe);
     };
-    const auto want = [&] {
-      auto m = model();
-      auto pipe = sw::Pipe(m, sw::balance{4, 4}, sw::PipeOptions().chunks(4));
-      sw::optim::FusedStep fused(pipe->named_parameters(), torch::optim::AdamOptions(0.01));
-      torch::manual_seed(3);
-      for (int step = 0; step < 4; ++step) pipe->train_step(x, t, Loss{}, fused);
-      return values(pipe);
-    }();
-    for (bool before : {false, true}) {
-      for (bool after : {false, true}) {
-        CAPTURE(before);
-        CAPTURE(after);
-        const auto got = run(before, after);
-        for (std::size_t k = 0; k < got.size(); ++k) CHECK(torch::equal(got[k], want[k]));
+    for (bool fused : {true, false}) {
+      const auto want = run(fused, false, sw::balance{4, 4}, "", "", 0, 4);
+      for (bool before : {false, true}) {
+        for (bool after : {false, true}) {
+          CAPTURE(fused);
+          CAPTURE(before);
+          CAPTURE(after);
+          const std::string save = dir + "/save_" + std::to_string(fused) +
+                                   std::to_string(before) + std::to_string(after);
+          (void)run(fused, before, sw::balance{4, 4}, "", save, 0, 2);
+          const auto got =
+              run(fused, after, after ? sw::balance{2, 6} : sw::balance{4, 4}, save, "", 2, 4);
+          for (std::size_t k = 0; k < got.size(); ++k) CHECK(torch::equal(got[k], want[k]));
+        }
       }
     }
   }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/launch: starts N ranks with the torchrun environment and prefixes their output; when one
-# rank fails it stops the others and exits with that status; --timeout stops every rank; every
-# started process is gone when launch returns.
+# rank fails it stops the others and exits with that status, or with --elastic starts the job
+# again on fewer ranks; --timeout stops every rank; every started process is gone when launch
+# returns.
 set -uo pipefail
 launch="$1"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
@@ -40,6 +41,31 @@ rc=$?
 check "--timeout stops the ranks and exits 124" '[[ $rc == 124 ]]'
 check "the timeout is named" "grep -q 'launch: the ranks ran longer than --timeout 1 s; stopping them' <<<\"\$err\""
 check "the timeout is prompt" '((SECONDS - start < 20))'
+
+# --elastic: rank 2 of 3 fails; the job starts again on 2 ranks, told it is restart 1.
+out=$("$launch" -n 3 --elastic 2 -- bash -c 'echo "run $TORCHELASTIC_RESTART_COUNT: $RANK of $WORLD_SIZE"
+  if [[ $WORLD_SIZE == 3 && $RANK == 2 ]]; then sleep 0.3; exit 5; fi
+  if [[ $WORLD_SIZE == 3 ]]; then exec sleep 100; fi' 2>&1)
+rc=$?
+echo "$out"
+check "an elastic job that ends well on fewer ranks exits 0" '[[ $rc == 0 ]]'
+check "the failure is named" "grep -q '^launch: rank 2 exited with status 5; stopping the other ranks\$' <<<\"\$out\""
+check "the restart is named" \
+  "grep -q '^launch: the job on 3 ranks failed; restarting it on 2 ranks (restart 1 of 1)\$' <<<\"\$out\""
+for k in 0 1; do
+  check "rank $k ran first on 3 ranks, then on 2 as restart 1" \
+    "grep -q '^\[rank $k\] run 0: $k of 3\$' <<<\"\$out\" && grep -q '^\[rank $k\] run 1: $k of 2\$' <<<\"\$out\""
+done
+check "no third rank on the restart" "! grep -q 'run 1: 2 of' <<<\"\$out\""
+out=$("$launch" -n 2 --elastic 2,1 -- bash -c 'echo "try $TORCHELASTIC_RESTART_COUNT"; exit 7' 2>&1)
+rc=$?
+check "a job that fails on every restart exits with the last failure" '[[ $rc == 7 ]]'
+check "each restart is named" \
+  "grep -q 'restarting it on 2 ranks (restart 1 of 2)' <<<\"\$out\" && grep -q 'restarting it on 1 ranks (restart 2 of 2)' <<<\"\$out\""
+check "the last try ran" "grep -q '^\[rank 0\] try 2\$' <<<\"\$out\""
+err=$("$launch" -n 2 --elastic 0 -- true 2>&1)
+rc=$?
+check "a bad --elastic is a usage error" '[[ $rc == 2 ]] && grep -q "launch: --elastic needs numbers of ranks >= 1" <<<"$err"'
 
 err=$("$launch" -- true 2>&1)
 rc=$?

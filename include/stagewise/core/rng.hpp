@@ -83,8 +83,9 @@ class RngState {
   }
 
   /// Reads states written by `save`; restore() then puts them back. A device this process does
-  /// not have is an error naming it.
-  static RngState load(torch::serialize::InputArchive& archive) {
+  /// not have is an error naming it, unless `only_present`: then its state is left out (a save
+  /// resumed under another plan, whose processes see other devices).
+  static RngState load(torch::serialize::InputArchive& archive, bool only_present = false) {
     RngState s;
     archive.read("cpu", s.cpu_, /*is_buffer=*/true);
     c10::IValue count, name;
@@ -92,10 +93,11 @@ class RngState {
     for (std::int64_t i = 0; i < count.toInt(); ++i) {
       archive.read("device" + std::to_string(i), name);
       const torch::Device device(name.toStringRef());
-      TORCH_CHECK(device.type() != torch::kCUDA ||
-                      (torch::cuda::is_available() &&
-                       device.index() < static_cast<int>(torch::cuda::device_count())),
-                  "stagewise: the saved random-number states include ", device.str(),
+      const bool present = device.type() != torch::kCUDA ||
+                           (torch::cuda::is_available() &&
+                            device.index() < static_cast<int>(torch::cuda::device_count()));
+      if (!present && only_present) continue;
+      TORCH_CHECK(present, "stagewise: the saved random-number states include ", device.str(),
                   "'s, which this process does not have; resume on a machine with the same "
                   "devices visible (CUDA_VISIBLE_DEVICES)");
       torch::Tensor state;

@@ -1,7 +1,10 @@
 #pragma once
 
+#include "stagewise/optim/detail/fused_saves.hpp"
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/parameter_state.hpp"
+#include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/optim/state_offload.hpp"
 
 #include <torch/csrc/autograd/variable.h>
@@ -297,42 +300,29 @@ class FusedStep {
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
   /// unfused one's. `torch::save(fused, file)` calls this.
-  void save(torch::serialize::OutputArchive& archive) const {
-    auto combined = combined_optimizer();
-    for (const auto& slot : state().slots) {
-      if (slot->offloaded) {  // from the store
-        if (auto s = state().offload->state(slot->index)) {
-          combined->state()[detail::optimizer_state_key(slot->param)] = std::move(s);
-        }
-        continue;
-      }
-      // Same tensor, same key: the entries move over as they are (clone() shares the tensors).
-      for (const auto& [key, param_state] : slot->optimizer->state()) {
-        combined->state()[key] = param_state->clone();
-      }
-    }
-    combined->save(archive);
+  void save(torch::serialize::OutputArchive& archive) const { detail::save_fused(state(), archive); }
+
+  /// The kind of state it keeps: its optimizer's options type, as the unfused optimizer's
+  /// (`optim::state_kind`), so that a pipe's save made with one loads into the other.
+  std::string state_kind() const { return optim::state_kind(*state().slots.front()->optimizer); }
+  /// Whether `param` is one of its parameters.
+  bool keeps_state(const torch::Tensor& param) const { return slot_of(param) != nullptr; }
+  /// Writes parameter `param`'s state as the unfused optimizer's `optim::save_state` does (one
+  /// parameter in LibTorch's layout), or returns false if `param` is not one of its parameters:
+  /// a pipe's save files it under the parameter's name.
+  bool save_state(const torch::Tensor& param, torch::serialize::OutputArchive& archive) const {
+    const auto* slot = slot_of(param);
+    return slot != nullptr && detail::save_slot(state(), *slot, archive);
+  }
+  /// Replaces parameter `param`'s state with what `save_state` wrote (this FusedStep's, another's
+  /// or an unfused optimizer's of the same kind, over any parameters). Between steps only.
+  void load_state(const torch::Tensor& param, torch::serialize::InputArchive& archive) {
+    check_between_steps("load_state");
+    detail::load_slot(state(), find(param, "load_state"), archive);
   }
 
   /// Loads state saved by `save` or by the unfused optimizer over the same parameters.
-  void load(torch::serialize::InputArchive& archive) {
-    auto combined = combined_optimizer();
-    combined->load(archive);
-    const auto& options = combined->param_groups()[0].options();
-    for (auto& slot : state().slots) {
-      auto& map = slot->optimizer->state();
-      map.clear();
-      const auto key = detail::optimizer_state_key(slot->param);
-      auto it = combined->state().find(key);
-      const bool saved = it != combined->state().end();
-      if (slot->offloaded) {  // into the store
-        state().offload->set_state(slot->index, saved ? std::move(it->second) : nullptr);
-      } else if (saved) {
-        map[key] = std::move(it->second);
-      }
-      slot->optimizer->param_groups()[0].set_options(options.clone());
-    }
-  }
+  void load(torch::serialize::InputArchive& archive) { detail::load_fused(state(), archive); }
 
  private:
   // The per-step counts and pending gradients, cleared; the norms of a norm pass are kept.
@@ -391,10 +381,16 @@ class FusedStep {
     }
   }
 
+  // The slot of parameter `p`, or null (the slots are the state's, not this object's: a const
+  // FusedStep may hand one out).
+  detail::FusedSlot* slot_of(const torch::Tensor& p) const {
+    const auto& by_impl = state().by_impl;
+    const auto it = by_impl.find(p.unsafeGetTensorImpl());
+    return it == by_impl.end() ? nullptr : it->second;
+  }
+
   detail::FusedSlot& find(const torch::Tensor& p, const char* what) {
-    for (auto& slot : state().slots) {
-      if (slot->param.is_same(p)) return *slot;
-    }
+    if (auto* slot = slot_of(p)) return *slot;
     TORCH_CHECK(false, "stagewise::optim::FusedStep::", what, ": a tensor of shape ", p.sizes(),
                 " is not one of this FusedStep's parameters. Pass parameters it was built with.");
   }
@@ -417,19 +413,6 @@ class FusedStep {
     return moved;
   }
 
-  // One optimizer over all parameters, with the current options: the unfused layout.
-  std::unique_ptr<torch::optim::Optimizer> combined_optimizer() const {
-    const auto& st = state();
-    auto combined = st.factory(parameters());
-    TORCH_CHECK(combined && combined->param_groups().size() == 1,
-                "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
-                "with one param group holding exactly the parameters it is given.");
-    combined->param_groups()[0].set_options(
-        st.slots.front()->optimizer->param_groups()[0].options().clone());
-    combined->state().clear();
-    return combined;
-  }
-
   std::unique_ptr<detail::FusedState> state_;
 };
 
@@ -448,4 +431,8 @@ inline torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive
 }
 
 }  // namespace optim
+
+static_assert(parameter_state_optimizer<optim::FusedStep>);
+static_assert(savable_optimizer<optim::FusedStep>);
+
 }  // namespace stagewise

@@ -2,6 +2,8 @@
 
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/parameter_state.hpp"
+#include "stagewise/optim/savable_optimizer.hpp"
 #include "stagewise/optim/state_offload.hpp"
 
 #include <c10/util/Exception.h>
@@ -33,7 +35,7 @@ namespace stagewise::optim {
 ///   sw::optim::OffloadedOptimizer adam(model->named_parameters(), torch::optim::AdamOptions(1e-3),
 ///                                      sw::runtime::OffloadedState(sw::runtime::HostStore()));
 ///   loss.backward(); adam.step(); adam.zero_grad();
-class OffloadedOptimizer : public torch::optim::Optimizer {
+class OffloadedOptimizer : public torch::optim::Optimizer, public StateOutsideMap {
  public:
   /// `optimizer_for<Options>` (e.g. `torch::optim::AdamOptions(1e-3)`) over `params`, with
   /// `offload` keeping the state of the parameters it chooses.
@@ -64,6 +66,7 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
     TORCH_CHECK(offload_ != nullptr, who_, ": the offload is null; give one (e.g. "
                 "runtime::OffloadedState(runtime::HostStore()))");
     add_param_group(torch::optim::OptimizerParamGroup(params.tensors));
+    all_ = params.tensors;
     std::vector<std::string> names = params.names;
     names.resize(params.tensors.size());
     offload_->bind(params.tensors, names, factory_);
@@ -81,7 +84,7 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
     TORCH_CHECK(!closure, who_, "::step: a closure cannot run in two places; call it yourself "
                 "before step()");
     const auto& options = param_groups_.at(0).options();
-    const auto& params = param_groups_.at(0).params();
+    const auto& params = all_;
     try {
       for (std::size_t i = 0; i < params.size(); ++i) {
         if (offload_->holds(i) && params[i].grad().defined()) {
@@ -103,10 +106,11 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
   /// Saves the state in the plain optimizer's layout (the held parameters' from the offload).
   void save(torch::serialize::OutputArchive& archive) const override {
     auto combined = combined_optimizer();
-    const auto& params = param_groups_.at(0).params();
-    for (std::size_t i = 0; i < params.size(); ++i) {
+    for (std::size_t i = 0; i < all_.size(); ++i) {
       if (!offload_->holds(i)) continue;
-      if (auto s = offload_->state(i)) combined->state()[detail::optimizer_state_key(params[i])] = std::move(s);
+      if (auto s = offload_->state(i)) {
+        combined->state()[detail::optimizer_state_key(all_[i])] = std::move(s);
+      }
     }
     if (inner_) {
       for (const auto& [key, s] : inner_->state()) combined->state()[key] = s->clone();
@@ -114,23 +118,35 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
     combined->save(archive);
   }
 
-  /// Loads a save of this optimizer or of the plain one over the same parameters.
+  /// Loads a save of this optimizer or of the plain one over the same parameters (or, as
+  /// `optim::load_state` calls it, over the parameters its group holds for the call).
   void load(torch::serialize::InputArchive& archive) override {
     auto combined = combined_optimizer();
     combined->load(archive);
     param_groups_.at(0).set_options(combined->param_groups()[0].options().clone());
-    if (inner_) inner_->state().clear();
-    const auto& params = param_groups_.at(0).params();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto key = detail::optimizer_state_key(params[i]);
+    for (const auto& p : param_groups_.at(0).params()) {
+      const std::size_t i = index_of(p);
+      const auto key = detail::optimizer_state_key(p);
       auto it = combined->state().find(key);
       const bool saved = it != combined->state().end();
       if (offload_->holds(i)) {
         offload_->set_state(i, saved ? std::move(it->second) : nullptr);
       } else if (saved) {
         inner_->state()[key] = std::move(it->second);
+      } else {
+        inner_->state().erase(key);
       }
     }
+  }
+
+  /// `param`'s state, from the store or from the optimizer of the parameters left on their
+  /// device (what `optim::save_state` writes for it: a pipe's save).
+  std::unique_ptr<torch::optim::OptimizerParamState> state_of(
+      const torch::Tensor& param) const override {
+    const std::size_t i = index_of(param);
+    if (offload_->holds(i)) return offload_->state(i);
+    const auto it = inner_->state().find(detail::optimizer_state_key(param));
+    return it == inner_->state().end() ? nullptr : it->second->clone();
   }
 
   /// The offload (e.g. to read its statistics).
@@ -152,6 +168,15 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
     return built->param_groups()[0].options().clone();
   }
 
+  // The index of `param` among every parameter (as the offload was bound).
+  std::size_t index_of(const torch::Tensor& param) const {
+    for (std::size_t i = 0; i < all_.size(); ++i) {
+      if (all_[i].is_same(param)) return i;
+    }
+    TORCH_CHECK(false, who_, ": a tensor of shape ", param.sizes(),
+                " is not one of the optimizer's parameters");
+  }
+
   // One optimizer over every parameter with the current options and no state: the plain layout.
   std::unique_ptr<torch::optim::Optimizer> combined_optimizer() const {
     auto combined = factory_(param_groups_.at(0).params());
@@ -164,6 +189,7 @@ class OffloadedOptimizer : public torch::optim::Optimizer {
   OptimizerFactory factory_;
   std::shared_ptr<StateOffload> offload_;
   std::unique_ptr<torch::optim::Optimizer> inner_;  // over the parameters left on their device
+  std::vector<torch::Tensor> all_;                  // every parameter, as the offload was bound
 };
 
 }  // namespace stagewise::optim

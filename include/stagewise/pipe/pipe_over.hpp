@@ -23,7 +23,7 @@
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/process_step.hpp"
 #include "stagewise/pipe/detail/resolve.hpp"
-#include "stagewise/pipe/detail/saved_state.hpp"
+#include "stagewise/pipe/detail/save_files.hpp"
 #include "stagewise/pipe/detail/scaled_step.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/state_offload_step.hpp"
@@ -255,64 +255,75 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   ///   const auto sent = pipe->traffic().bytes_sent - before.bytes_sent;
   runtime::Traffic traffic() const { return transport_->traffic(); }
 
-  /// Saves, at a step boundary, what a resumed job needs to continue bit for bit: this process's
-  /// stages' parameters and buffers, `optimizer`'s state (an unfused LibTorch optimizer over
-  /// these parameters, or `optim::FusedStep`), the random-number generators' states, `step` (any
-  /// number of yours, given back by `load`) and the plan that made them. Writes `dir`/stage<j>.pt
-  /// for each of this process's stages and then `dir`/rank<r>.pt, each whole or not at all; a
-  /// distributed pipe's ranks each write their own files (`dir` may be on a shared file system
-  /// or on each machine's own) and every rank returns once all have saved. A failure on any rank
-  /// fails the save on every rank, and leaves that save incomplete (load refuses it). Call it
-  /// between steps, on every rank; save each step to a directory of its own, so that a job
-  /// killed while saving still has the previous one.
+  /// Saves, at a step boundary, what a resumed job needs to continue: every parameter and buffer
+  /// of this process's stages and `optimizer`'s state of each of its parameters (an unfused
+  /// LibTorch optimizer over them, `optim::FusedStep`, any `savable_optimizer`), each under the
+  /// model's own name ("3.weight": the Sequential's layer and the parameter's name), the
+  /// random-number generators' states, `step` (any number of yours, given back by `load`) and an
+  /// index of the files. Such a save loads into a pipe of any plan: another split, stage count,
+  /// replica count, number of processes, fused or unfused step (`load`). Writes `dir`/stage<j>.pt
+  /// and stage<j>.optimizer.pt for each of this process's stages (the first replica's), its
+  /// rank<r>.pt, and once every process has written its part, index.pt, each whole or not at all
+  /// (docs/pipe.md, "Save and resume"). Every process calls it, between steps; `save` returns on
+  /// every process once all have saved, and a failure on any fails it on every one and leaves the
+  /// save incomplete (without index.pt, which load refuses). Save each step to a directory of
+  /// its own, so that a job killed while saving still has the previous one (`latest_save`).
   ///   pipe->save("ckpt/step-" + std::to_string(step), optimizer, step);
   template <savable_optimizer Optimizer>
   void save(const std::string& dir, const Optimizer& optimizer, std::int64_t step) {
-    saves().save(dir, step, [&](torch::serialize::OutputArchive& a) { optimizer.save(a); });
+    const auto access = detail::saving(optimizer);
+    saves().save(dir, step, &access, {});
   }
 
   /// `save` with a GradScaler's state too (after `scaler.update()`): a resumed run scales alike.
   template <savable_optimizer Optimizer>
   void save(const std::string& dir, const Optimizer& optimizer, const amp::GradScaler& scaler,
             std::int64_t step) {
-    saves().save(dir, step, [&](torch::serialize::OutputArchive& a) {
-      optimizer.save(a);
-      detail::save_scaler(a, scaler);
-    });
+    const auto access = detail::saving(optimizer);
+    saves().save(
+        dir, step, &access,
+        {.save = [&](torch::serialize::OutputArchive& a) { detail::save_scaler(a, scaler); }});
   }
 
   /// Saves the stages' parameters, buffers and the generators' states, without an optimizer.
-  void save(const std::string& dir, std::int64_t step) { saves().save(dir, step, nullptr); }
+  void save(const std::string& dir, std::int64_t step) { saves().save(dir, step, nullptr, {}); }
 
-  /// Resumes from a save (`save`) of a pipe built alike: loads this process's stages'
-  /// parameters and buffers, `optimizer`'s state and the generators' states, and returns the
-  /// saved step. The save must come from the same model, balance, placement, devices and number
-  /// of processes; anything else, a save another rank lacks (a job stopped while saving) or
-  /// ranks given saves of different steps, is an error naming it, on every rank, before anything
-  /// is changed. Call it on every rank, before the first step or between steps.
+  /// Resumes from a save (`save`) made under any plan: loads this process's stages' parameters
+  /// and buffers and `optimizer`'s state of each of its parameters, by the model's names, from
+  /// the files of the save that hold them (and no others), the generators' states, and returns
+  /// the saved step. The save may come from another split, number of stages, processes or
+  /// replicas, or from a one-process pipe into a distributed one and back, fused or unfused;
+  /// under the plan that made it each process restores its own generators, under another the
+  /// generators of the process that ran its first layer (docs/distributed.md, "Resume on other
+  /// ranks"). A save of another model (names, shapes or dtypes that differ), of another
+  /// optimizer kind, an incomplete save (no index.pt), a damaged file, a save of a newer format,
+  /// or ranks given saves of different steps is an error naming it, on every rank, before
+  /// anything is changed. A save of format 1 (an older stagewise's) loads under the plan that
+  /// made it. Call it on every process, before the first step or between steps; the
+  /// optimizer's options (its learning rate) stay as you built them.
   ///   const auto step = pipe->load("ckpt/step-100", optimizer) + 1;  // the next step to run
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer) {
-    return saves().load(dir, [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
+    const auto access = detail::loading(optimizer);
+    return saves().load(dir, &access, {});
   }
 
   /// `load` with a GradScaler's state too; a save without one is refused, changing nothing.
   template <savable_optimizer Optimizer>
   std::int64_t load(const std::string& dir, Optimizer& optimizer, amp::GradScaler& scaler) {
+    const auto access = detail::loading(optimizer);
     return saves().load(
-        dir,
-        [&](torch::serialize::InputArchive& a) {
-          optimizer.load(a);
-          detail::load_scaler(a, scaler);
-        },
-        [&](torch::serialize::InputArchive& a) {
-          detail::check_scaler_saved(a, who_ + "::load: ", dir);
-        });
+        dir, &access,
+        {.check =
+             [&](torch::serialize::InputArchive& a) {
+               detail::check_scaler_saved(a, who_ + "::load: ", dir);
+             },
+         .load = [&](torch::serialize::InputArchive& a) { detail::load_scaler(a, scaler); }});
   }
 
   /// Loads the stages' parameters, buffers and the generators' states of a save, leaving any
   /// saved optimizer state unread (e.g. to evaluate a saved model).
-  std::int64_t load(const std::string& dir) { return saves().load(dir, nullptr); }
+  std::int64_t load(const std::string& dir) { return saves().load(dir, nullptr, {}); }
 
   /// The transport the pipe's steps run over.
   Transport& transport() { return *transport_; }

@@ -22,7 +22,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -234,6 +234,7 @@ struct FusedPostHook final : torch::autograd::FunctionPostHook {
 // Everything a FusedStep owns, on the heap so that hooks keep valid pointers when it moves.
 struct FusedState {
   std::vector<std::unique_ptr<FusedSlot>> slots;
+  std::unordered_map<const void*, FusedSlot*> by_impl;  // each slot by its parameter's impl
   FusedShared shared;
   optim::OptimizerFactory factory;
   bool attached = false;
@@ -275,7 +276,6 @@ inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,
               "model->parameters() or model->named_parameters().");
   auto state = std::make_unique<FusedState>();
   state->factory = std::move(factory);
-  std::unordered_set<const void*> seen;
   for (std::size_t i = 0; i < params.tensors.size(); ++i) {
     auto slot = std::make_unique<FusedSlot>();
     slot->param = params.tensors[i];
@@ -291,7 +291,7 @@ inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,
     TORCH_CHECK(p.is_leaf(), "stagewise::optim::FusedStep: ", slot->describe(),
                 " is not a leaf tensor (it has a grad_fn), so autograd accumulates no gradient "
                 "into it. Pass the model's parameters, not tensors computed from them.");
-    TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
+    TORCH_CHECK(state->by_impl.emplace(p.unsafeGetTensorImpl(), slot.get()).second,
                 "stagewise::optim::FusedStep: ", slot->describe(),
                 " is listed twice, so it would step twice per gradient. Pass each parameter once.");
     slot->optimizer = state->factory({p});

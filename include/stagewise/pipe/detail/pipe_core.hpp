@@ -21,7 +21,8 @@
 #include "stagewise/pipe/detail/placed_stages.hpp"
 #include "stagewise/pipe/detail/process_step.hpp"
 #include "stagewise/pipe/detail/resolve.hpp"
-#include "stagewise/pipe/detail/saved_state.hpp"
+#include "stagewise/pipe/detail/format1_save.hpp"
+#include "stagewise/pipe/detail/save_format.hpp"
 #include "stagewise/pipe/detail/scaled_step.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
 #include "stagewise/pipe/detail/step.hpp"
@@ -100,9 +101,22 @@ class PipeCore : public PlacedStages {
                 specs.size(), "; build the transport for the pipe's stages");
     auto local = [&](std::size_t j) { return here.runs(j); };
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
-    for (const auto& spec : specs) {
-      modules.push_back(spec.module);
-      signatures_.push_back(spec.module ? runtime::stage_signature(*spec.module) : "");
+    const bool sequential = !resolved.layers.empty();
+    for (std::size_t j = 0; j < specs.size(); ++j) {
+      const auto& module = specs[j].module;
+      modules.push_back(module);
+      signatures_.push_back(module ? runtime::stage_signature(*module) : "");
+      // Saves name tensors as the model does: a Sequential's stage by its layers' names, a typed
+      // stage j as layer j.
+      prefixes_.push_back(sequential ? "" : std::to_string(j) + ".");
+      layers_.push_back(sequential && module ? static_cast<std::int64_t>(module->children().size())
+                                             : 1);
+      entries_.emplace_back();
+      if (module) {
+        for (auto& [entry, tensor] : detail::named_tensors(*module, prefixes_.back())) {
+          entries_.back().push_back(std::move(entry));
+        }
+      }
     }
     skips_ = std::make_shared<const detail::SkipLayout>(detail::skip_layout_of(modules));
     const auto devices = detail::place_stage_modules(specs, resolved_.devices, who_, local);
@@ -147,6 +161,11 @@ class PipeCore : public PlacedStages {
   std::shared_ptr<const detail::SkipLayout> skips_;
   std::vector<std::unique_ptr<runtime::StageRuntime>> stages_;  // null: another process's
   std::vector<std::string> signatures_;                         // of every stage, for saves
+  // Every stage's parameters and buffers as saves name them, the prefix of those names, and the
+  // model's layers each stage holds.
+  std::vector<std::vector<detail::TensorEntry>> entries_;
+  std::vector<std::string> prefixes_;
+  std::vector<std::int64_t> layers_;
   Replicas replicas_;                                           // data parallelism, if any
   std::unique_ptr<Transport> transport_;                        // last: stops before the stages go
 
@@ -176,9 +195,10 @@ class PipeCore : public PlacedStages {
                                      max_norm, norm_type, who_ + "::clip_grad_norm_step");
   }
 
-  detail::SavedPlan plan_here() const {
+  // The plan a format-1 save must have been made under to load here.
+  detail::Format1Plan format1_plan() const {
     const auto here = transport_->processes();
-    detail::SavedPlan p;
+    detail::Format1Plan p;
     p.processes = here.count;
     for (std::size_t j = 0; j < stages_.size(); ++j) {
       p.placement.push_back(here.of(j));
@@ -188,14 +208,37 @@ class PipeCore : public PlacedStages {
     return p;
   }
 
+  // This pipe's plan as a save records it. Replicas are replica-major (distributed::Pipe's
+  // layout): a replica's processes are `workers` consecutive ranks.
+  detail::SavePlan save_plan() const {
+    const auto here = transport_->processes();
+    int lowest = here.of(0), highest = here.of(0);
+    for (std::size_t j = 0; j < stages_.size(); ++j) {
+      lowest = std::min(lowest, here.of(j));
+      highest = std::max(highest, here.of(j));
+    }
+    const int workers = highest - lowest + 1;
+    detail::SavePlan p;
+    p.processes = here.count;
+    p.replicas = here.count / workers;
+    for (std::size_t j = 0; j < stages_.size(); ++j) p.placement.push_back(here.of(j) - lowest);
+    p.layers = layers_;
+    return p;
+  }
+
   // What save and load read of this pipe (pipe_saves.hpp).
   detail::PipeSaves saves() {
+    const auto here = transport_->processes();
+    const auto plan = save_plan();
+    // Replica-major: the replica's first process runs the stage at rank 0 within the replica.
+    const int replica = plan.placement.empty()
+                            ? 0
+                            : (here.of(0) - static_cast<int>(plan.placement[0])) /
+                                  static_cast<int>(plan.workers());
     return {who_,
-            stages_,
-            signatures_,
-            transport_->processes().rank,
+            {stages_, entries_, prefixes_, plan, here.rank, replica},
             replicas_.writes_stage_files(),
-            plan_here(),
+            {stages_, signatures_, format1_plan()},
             [this](const std::string& what, const std::string& mine) {
               return transport_->gather(who_ + "::" + what, mine);
             }};

@@ -1,13 +1,17 @@
 #pragma once
 
 // A pipe's save and load across its processes (Pipe::save and load, distributed::Pipe's): each
-// process writes or checks its own files (saved_state.hpp), and every process agrees on the
-// outcome, so that a failure on one fails the save or load on all.
+// process writes its files, or reads and checks what its stages need (save_loader.hpp; a save of
+// format 1 through format1_save.hpp), and every process agrees on the outcome, so that a failure
+// on one fails the save or load on all.
 
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/core/rng.hpp"
-#include "stagewise/pipe/detail/saved_state.hpp"
-#include "stagewise/runtime/stage_runtime.hpp"
+#include "stagewise/pipe/detail/format1_save.hpp"
+#include "stagewise/pipe/detail/save_files.hpp"
+#include "stagewise/pipe/detail/save_format.hpp"
+#include "stagewise/pipe/detail/save_index.hpp"
+#include "stagewise/pipe/detail/save_loader.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
@@ -24,19 +28,29 @@
 
 namespace stagewise::detail {
 
-// What a pipe's save and load read of it, for the call (PipeOver::saves()).
+/// What a save keeps beside the optimizer (a GradScaler's state), in the archive that holds it:
+/// the index (format 2) or the optimizer's archive (format 1).
+struct SaveExtras {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> check;  // before anything changes
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+/// A load read and checked on this process, ready to change the pipe.
+struct PreparedLoad {
+  std::int64_t step = 0;
+  std::function<void()> apply;
+};
+
+// What a pipe's save and load read of it, for the call (PipeCore::saves()).
 struct PipeSaves {
-  using SaveOptimizer = std::function<void(torch::serialize::OutputArchive&)>;
-  using LoadOptimizer = std::function<void(torch::serialize::InputArchive&)>;
+  using Gather = std::function<std::vector<std::string>(const std::string&, const std::string&)>;
 
   const std::string& who;  // opens errors: "<who>::save: "
-  const std::vector<std::unique_ptr<runtime::StageRuntime>>& stages;  // null: another process's
-  const std::vector<std::string>& signatures;                         // of every stage
-  int rank = 0;                                                       // this process's
+  SaveView view;
   bool writes_stage_files = true;  // false on replicas after the first: they only read them
-  SavedPlan plan_here;             // this process's
-  // Every process's `mine` in rank order, under the same `what` (PipeOver::gather).
-  std::function<std::vector<std::string>(const std::string&, const std::string&)> gather;
+  Format1View format1;
+  Gather gather;  // every process's `mine` in rank order, under the same `what`
 
   // Every process's outcome of `what` (`failure`: this one's error, opening with
   // "<who>::<what>: ", or empty); throws the first failure, in rank order, on every process: a
@@ -49,68 +63,111 @@ struct PipeSaves {
     const auto all = gather(what, published);
     for (std::size_t r = 0; r < all.size(); ++r) {
       if (all[r].empty()) continue;
-      if (static_cast<int>(r) == rank) TORCH_CHECK(false, prefix, all[r]);
+      if (static_cast<int>(r) == view.rank) TORCH_CHECK(false, prefix, all[r]);
       TORCH_CHECK(false, prefix, "rank ", r, " failed: ", all[r], "; ", consequence);
     }
   }
 
-  /// Writes this process's part of a save in `dir` (Pipe::save), then agrees with the others.
-  void save(const std::string& dir, std::int64_t step, const SaveOptimizer& optimizer) const {
+  /// Writes this process's part of a save in `dir` (Pipe::save), agrees with the others, then
+  /// every process writes the index, which makes the save whole.
+  void save(const std::string& dir, std::int64_t step, const SaveOptimizer* optimizer,
+            const SaveExtras& extras) const {
+    const std::string incomplete = "the save in " + dir + " is incomplete and cannot be loaded";
     std::string failure;
     try {
       std::filesystem::create_directories(dir);
-      for (std::size_t j = 0; j < stages.size(); ++j) {
-        if (!stages[j] || !writes_stage_files) continue;
-        torch::serialize::OutputArchive a;
-        a.write("format", c10::IValue(kSaveFormat));
-        a.write("stage", c10::IValue(static_cast<std::int64_t>(j)));
-        a.write("signature", c10::IValue(signatures[j]));
-        if (const auto& module = stages[j]->spec.module) {
-          torch::serialize::OutputArchive m;
-          write_module_state(*module, m);
-          a.write("module", m);
-        }
-        write_whole(a, stage_file(dir, static_cast<int>(j)));
-      }
-      // The process's file last: its presence says this process's part of the save is whole.
-      torch::serialize::OutputArchive a, plan, rng;
-      a.write("format", c10::IValue(kSaveFormat));
-      a.write("step", c10::IValue(step));
-      plan_here.write(plan);
-      a.write("plan", plan);
-      RngState::capture_all().save(rng);
-      a.write("rng", rng);
-      a.write("has_optimizer", c10::IValue(optimizer != nullptr));
-      if (optimizer) {
-        torch::serialize::OutputArchive o;
-        optimizer(o);
-        a.write("optimizer", o);
-      }
-      write_whole(a, rank_file(dir, rank));
+      // Over an older save, the directory is incomplete until the new index is written.
+      std::filesystem::remove(save_file(dir, index_name()));
+      write_parts(dir, optimizer);
     } catch (const std::exception& e) {
       failure = "could not save to " + dir + ": " + message_of(e);
     }
-    agree("save", failure, "the save in " + dir + " is incomplete and cannot be loaded");
+    agree("save", failure, incomplete);
+    try {
+      torch::serialize::OutputArchive a;
+      index(step, optimizer).write(a);
+      if (extras.save) extras.save(a);
+      write_whole(a, save_file(dir, index_name()), "." + std::to_string(view.rank));
+    } catch (const std::exception& e) {
+      failure = "could not save to " + dir + ": " + message_of(e);
+    }
+    agree("save", failure, incomplete);
   }
 
   /// Reads and checks this process's part of the save in `dir`, agrees with the others, then
   /// loads it and returns its step (Pipe::load).
-  /// `check`, if given, is called on the saved optimizer state while checking (a scaler's state
-  /// is there too: detail/scaled_step.hpp).
-  std::int64_t load(const std::string& dir, const LoadOptimizer& optimizer,
-                    const LoadOptimizer& check = nullptr) const {
-    // First read and check everything, changing nothing; every process then knows whether all
-    // can load, and from the same step.
+  std::int64_t load(const std::string& dir, const SaveOptimizer* optimizer,
+                    const SaveExtras& extras) const {
     const std::string where = who + "::load: ";
-    const std::string file = rank_file(dir, rank);
-    torch::serialize::InputArchive rank_archive, optimizer_archive, rng_archive;
-    std::vector<std::unique_ptr<SavedModuleState>> modules(stages.size());
-    std::int64_t step = 0;
+    PreparedLoad prepared;
     std::string failure;
-    // Reads from the save file `path` with `read`: an error of LibTorch's reader (a file cut
-    // short or damaged) names the file, the save and the fix; stagewise's own checks name the
-    // file already.
-    const auto reading = [&](const std::string& path, const auto& read) {
+    try {
+      prepared = prepare(dir, where, optimizer, extras);
+    } catch (const std::exception& e) {
+      failure = message_of(e);
+    }
+    agree("load", failure, "nothing was loaded");
+    const auto steps = gather("load", std::to_string(prepared.step));
+    for (std::size_t r = 1; r < steps.size(); ++r) {
+      TORCH_CHECK(steps[r] == steps[0], where, "the ranks' saves in ", dir,
+                  " are of different steps (rank 0's of step ", steps[0], ", rank ", r,
+                  "'s of step ", steps[r],
+                  "); resume every rank from the same save. Nothing was loaded");
+    }
+    try {
+      prepared.apply();
+    } catch (const std::exception& e) {
+      failure = "could not load " + dir + ": " + message_of(e);
+    }
+    agree("load", failure,
+          "this pipe may be partly loaded: load a save again, or build a new pipe");
+    return prepared.step;
+  }
+
+ private:
+  // This process's files: its stages' tensors and optimizer state (unless another replica
+  // writes them), then its generators.
+  void write_parts(const std::string& dir, const SaveOptimizer* optimizer) const {
+    const std::string writer = "." + std::to_string(view.rank);
+    for (std::size_t j = 0; j < view.stages.size() && writes_stage_files; ++j) {
+      if (!view.stages[j]) continue;
+      const auto tensors = view.tensors_of(j);
+      write_tensors(tensors, j, save_file(dir, stage_name(j)), writer);
+      if (optimizer)
+        write_states(tensors, *optimizer, j, save_file(dir, optimizer_name(j)), writer);
+    }
+    torch::serialize::OutputArchive a, rng;
+    a.write("format", c10::IValue(kSaveFormat));
+    a.write("rank", c10::IValue(static_cast<std::int64_t>(view.rank)));
+    RngState::capture_all().save(rng);
+    a.write("rng", rng);
+    write_whole(a, save_file(dir, rank_name(view.rank)), writer);
+  }
+
+  // The index of a save of this pipe: the first replica's files hold every stage.
+  SaveIndex index(std::int64_t step, const SaveOptimizer* optimizer) const {
+    SaveIndex x;
+    x.step = step;
+    x.plan = view.plan;
+    x.entries = view.entries;
+    for (std::size_t j = 0; j < view.entries.size(); ++j) {
+      x.files.push_back({stage_name(j)});
+      x.state_files.push_back(optimizer ? std::vector<std::string>{optimizer_name(j)}
+                                        : std::vector<std::string>{});
+    }
+    for (std::int64_t r = 0; r < view.plan.processes; ++r) {
+      x.rank_files.push_back(rank_name(static_cast<int>(r)));
+    }
+    x.has_optimizer = optimizer != nullptr;
+    if (optimizer) x.optimizer_kind = optimizer->kind;
+    return x;
+  }
+
+  // Reads `path` with `read`: an error of LibTorch's reader (a file cut short or damaged) names
+  // the file, the save and the fix; stagewise's own checks (opening with `where`) pass as they
+  // are.
+  static SaveReading reading(const std::string& where, const std::string& dir) {
+    return [where, dir](const std::string& path, const std::function<void()>& read) {
       try {
         read();
       } catch (const std::exception& e) {
@@ -121,73 +178,89 @@ struct PipeSaves {
                     "disk); resume from the previous save");
       }
     };
-    try {
-      TORCH_CHECK(std::filesystem::exists(file), where, dir, " has no ", file, " (rank ", rank,
-                  "'s part of a save): it is not a save, or the job "
-                  "stopped while saving; resume from an earlier save");
-      c10::IValue v;
-      reading(file, [&] {
-        rank_archive.load_from(file);
-        rank_archive.read("format", v);
-        TORCH_CHECK(v.toInt() == kSaveFormat, where, file, " has save format ", v.toInt(),
-                    ", this stagewise reads format ", kSaveFormat);
-        rank_archive.read("step", v);
-        step = v.toInt();
-        torch::serialize::InputArchive plan;
-        rank_archive.read("plan", plan);
-        const auto difference = SavedPlan::read(plan).difference(plan_here);
-        TORCH_CHECK(difference.empty(), where, "cannot load the save in ", dir, ": ", difference);
-        rank_archive.read("has_optimizer", v);
-        TORCH_CHECK(!optimizer || v.toBool(), where, "the save in ", dir,
-                    " has no optimizer state (it was saved without an optimizer); load it with "
-                    "load(dir), or resume from a save made with save(dir, optimizer, step)");
-        if (optimizer) rank_archive.read("optimizer", optimizer_archive);
-        if (check) check(optimizer_archive);
-        rank_archive.read("rng", rng_archive);
-      });
-      for (std::size_t j = 0; j < stages.size(); ++j) {
-        if (!stages[j] || !stages[j]->spec.module) continue;
-        const auto path = stage_file(dir, static_cast<int>(j));
-        TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", path,
-                    ": the save is incomplete; resume from another one");
-        reading(path, [&] {
-          torch::serialize::InputArchive a;
-          a.load_from(path, stages[j]->device);
-          a.read("signature", v);
-          TORCH_CHECK(v.toStringRef() == signatures[j], where, path, " holds stage {",
-                      v.toStringRef(), "} but this pipe's stage ", j, " is {", signatures[j],
-                      "}; the files of different saves are mixed in ", dir);
-          torch::serialize::InputArchive m;
-          a.read("module", m);
-          modules[j] = std::make_unique<SavedModuleState>(*stages[j]->spec.module, m, path);
-        });
-      }
-    } catch (const std::exception& e) {
-      failure = message_of(e);
-    }
-    agree("load", failure, "nothing was loaded");
-    const auto steps = gather("load", std::to_string(step));
-    for (std::size_t r = 1; r < steps.size(); ++r) {
-      TORCH_CHECK(steps[r] == steps[0], where, "the ranks' saves in ", dir,
-                  " are of different steps (rank 0's of step ", steps[0], ", rank ", r,
-                  "'s of step ", steps[r],
-                  "); resume every rank from the same save. Nothing was "
-                  "loaded");
-    }
-    // Then change the stages, the optimizer and the generators.
-    try {
-      for (std::size_t j = 0; j < stages.size(); ++j) {
-        if (modules[j]) modules[j]->copy_into();
-      }
-      if (optimizer) optimizer(optimizer_archive);
-      RngState::load(rng_archive).restore();
-    } catch (const std::exception& e) {
-      failure = "could not load " + dir + ": " + message_of(e);
-    }
-    agree("load", failure,
-          "this pipe may be partly loaded: load a save again, or build a new pipe");
-    return step;
   }
+
+  PreparedLoad prepare(const std::string& dir, const std::string& where,
+                       const SaveOptimizer* optimizer, const SaveExtras& extras) const;
+  PreparedLoad prepare_index(const std::string& dir, const std::string& where,
+                             const SaveOptimizer* optimizer, const SaveExtras& extras) const;
+  PreparedLoad prepare_rank_file(const std::string& dir, const std::string& where,
+                                 const SaveOptimizer* optimizer, const SaveExtras& extras) const;
 };
+
+// "<file> has save format N, ..." for a file of a newer stagewise.
+inline void refuse_newer_format(std::int64_t format, const std::string& where,
+                                const std::string& path) {
+  TORCH_CHECK(format <= kSaveFormat, where, path, " has save format ", format,
+              "; this stagewise reads formats 1 to ", kSaveFormat,
+              ": load it with the stagewise that wrote it, or a newer one");
+}
+
+// A save of format 2 (its index is there) or 1 (this process's rank file is), read and checked.
+inline PreparedLoad PipeSaves::prepare(const std::string& dir, const std::string& where,
+                                       const SaveOptimizer* optimizer,
+                                       const SaveExtras& extras) const {
+  if (std::filesystem::exists(save_file(dir, index_name()))) {
+    return prepare_index(dir, where, optimizer, extras);
+  }
+  return prepare_rank_file(dir, where, optimizer, extras);
+}
+
+inline PreparedLoad PipeSaves::prepare_index(const std::string& dir, const std::string& where,
+                                             const SaveOptimizer* optimizer,
+                                             const SaveExtras& extras) const {
+  const auto path = save_file(dir, index_name());
+  auto index = std::make_shared<torch::serialize::InputArchive>();
+  reading(where, dir)(path, [&] {
+    index->load_from(path);
+    c10::IValue v;
+    index->read("format", v);
+    refuse_newer_format(v.toInt(), where, path);
+  });
+  auto load = std::make_shared<Format2Load>(
+      prepare_format2(view, where, dir, *index, optimizer, extras.check, reading(where, dir)));
+  return {load->step, [load, index, optimizer, load_extras = extras.load] {
+            {
+              torch::NoGradGuard no_grad;
+              for (auto& [target, saved] : load->tensors) torch::Tensor(target).copy_(saved);
+            }
+            for (auto& [param, state] : load->states) optimizer->load(param, state);
+            load->rng.restore();
+            if (load_extras) load_extras(*index);
+          }};
+}
+
+inline PreparedLoad PipeSaves::prepare_rank_file(const std::string& dir, const std::string& where,
+                                                 const SaveOptimizer* optimizer,
+                                                 const SaveExtras& extras) const {
+  const auto path = save_file(dir, rank_name(view.rank));
+  TORCH_CHECK(std::filesystem::exists(path), where, dir, " has no ", save_file(dir, index_name()),
+              ": it is not a save, or the job stopped while saving; resume from an earlier save");
+  auto archive = std::make_shared<torch::serialize::InputArchive>();
+  std::int64_t format = 0;
+  reading(where, dir)(path, [&] {
+    archive->load_from(path);
+    c10::IValue v;
+    archive->read("format", v);
+    format = v.toInt();
+  });
+  refuse_newer_format(format, where, path);
+  TORCH_CHECK(format == kFormat1, where, dir, " has no ", save_file(dir, index_name()),
+              ": the job stopped while saving; resume from an earlier save");
+  TORCH_CHECK(!optimizer || optimizer->load_whole, where, "the save in ", dir,
+              " (save format 1) holds the optimizer's own archive, which only a LibTorch "
+              "optimizer or optim::FusedStep reads; load it with one of those");
+  auto load = std::make_shared<Format1Load>(prepare_format1(format1, where, dir, path, *archive,
+                                                            optimizer != nullptr, extras.check,
+                                                            reading(where, dir)));
+  return {load->step, [load, optimizer, load_extras = extras.load] {
+            for (const auto& m : load->modules) {
+              if (m) m->copy_into();
+            }
+            if (optimizer) optimizer->load_whole(load->optimizer);
+            load->rng.restore();
+            if (load_extras) load_extras(load->optimizer);
+          }};
+}
 
 }  // namespace stagewise::detail
