@@ -102,7 +102,8 @@ std::vector<double> measured_peaks(const torch::nn::Sequential& model, const sw:
 // cap; at 1.1 the plan keeps some state off the device (below the smallest cap on it); trains each
 // plan and checks its promise on every worker.
 void check_promise(const std::string& name, const torch::nn::Sequential& model, const sw::Batch& x,
-                   const sw::Batch& y, const Loss& loss, sw::PlanOptions options) {
+                   const sw::Batch& y, const Loss& loss, sw::PlanOptions options,
+                   const std::vector<double>& scales = {1.1, 1.5, 4.0}) {
   CAPTURE(name);
   const auto on_device = smallest_cap(model, x, y, loss, options);
   options.optimizer_store(sw::runtime::HostStore());
@@ -110,7 +111,7 @@ void check_promise(const std::string& name, const torch::nn::Sequential& model, 
   MESSAGE(name << ": smallest cap " << on_device << " bytes with the state on the device, "
                << smallest << " with it off");
   CHECK(smallest < on_device);
-  for (double scale : {1.1, 1.5, 4.0}) {
+  for (double scale : scales) {
     const auto cap = static_cast<std::int64_t>(scale * static_cast<double>(smallest));
     const auto plan = sw::plan_pipeline(model, x, y.tensor(), loss,
                                         sw::PlanOptions(options).memory_per_worker(cap));
@@ -164,9 +165,13 @@ TEST_SUITE("plan_pipeline's promise, measured, with the optimizer's state off th
       model->push_back(torch::nn::Tanh());
     }
     const auto x = torch::randn({32, 256}), y = torch::randn({32, 256});
+    // At 1.1 and 1.5 times the smallest cap the plans keep the state off the device. (At 4 times
+    // it stays on the device, where the unfused step's temporaries count on each worker, as on a
+    // GPU; this harness runs that step on the caller's thread, so it cannot see them there.)
     check_promise("mlp unfused", model, sw::Batch(x), sw::Batch(y), mse,
                   sw::PlanOptions().workers(2).rounds(1).micro_batches({4}).fused_step(false)
-                      .schedules({"gpipe", "one_f_one_b"}));
+                      .schedules({"gpipe", "one_f_one_b"}),
+                  {1.1, 1.5});
   }
 
   TEST_CASE("the GPT example's transformer, on 2 workers") {
