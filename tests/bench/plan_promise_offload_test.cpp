@@ -87,10 +87,11 @@ std::vector<double> measured_peaks(const torch::nn::Sequential& model, const sw:
         kept += static_cast<double>(p.value().nbytes());
         if (!unfused) continue;
         const auto index = static_cast<std::size_t>(
-            std::find_if(params.begin(), params.end(), [&](const auto& t) { return t.is_same(p.value()); }) -
+            std::find_if(params.begin(), params.end(),
+                         [&](const auto& t) { return t.is_same(p.value()); }) -
             params.begin());
         if (held != nullptr && held->offloaded(index)) continue;  // in the store
-        kept += 2.0 * static_cast<double>(p.value().nbytes());   // Adam's moments, on the device
+        kept += 2.0 * static_cast<double>(p.value().nbytes());    // Adam's moments, on the device
       }
     }
     peaks.push_back(kept + static_cast<double>(meter.peak_of(pipe->stage_thread(first))));
@@ -119,25 +120,27 @@ void check_promise(const std::string& name, const torch::nn::Sequential& model, 
     CAPTURE(report.substr(0, report.find("candidates")));
     std::size_t offloaded = 0;
     const auto measured = measured_peaks(model, plan, x, y, loss, offloaded);
-    const bool plans_offload = std::any_of(plan.optimizer_shares.begin(), plan.optimizer_shares.end(),
-                                           [](double s) { return s > 0; });
+    const bool plans_offload = std::any_of(
+        plan.optimizer_shares.begin(), plan.optimizer_shares.end(), [](double s) { return s > 0; });
     CHECK(plans_offload == (offloaded > 0));
     if (cap < on_device) CHECK(plans_offload);
     for (int w = 0; w < plan.workers; ++w) {
       CAPTURE(w);
       const double got = measured[static_cast<std::size_t>(w)];
       const double want = plan.memory[static_cast<std::size_t>(w)].peak;
-      MESSAGE(name << " cap " << cap << ", " << std::string(plan.schedule.name()) << " M="
-                   << plan.micro_batches << std::string(plan.fused_step ? " fused" : "") << ", state off "
-                   << sw::detail::describe_shares(plan.optimizer_shares) << ", worker " << w
-                   << ": measured " << got << ", predicted " << want);
+      MESSAGE(name << " cap " << cap << ", " << std::string(plan.schedule.name())
+                   << " M=" << plan.micro_batches << std::string(plan.fused_step ? " fused" : "")
+                   << ", state off " << sw::detail::describe_shares(plan.optimizer_shares)
+                   << ", worker " << w << ": measured " << got << ", predicted " << want);
       CHECK(got <= static_cast<double>(cap));
       CHECK(std::abs(want - got) <= 0.1 * got);
     }
   }
 }
 
-torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }
+torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::mse_loss(a, b);
+}
 
 }  // namespace
 
@@ -152,8 +155,8 @@ TEST_SUITE("plan_pipeline's promise, measured, with the optimizer's state off th
     }
     const auto x = torch::randn({32, 256}), y = torch::randn({32, 256});
     check_promise("mlp", model, sw::Batch(x), sw::Batch(y), mse,
-                  sw::PlanOptions().workers(2).rounds(1).micro_batches({4, 8})
-                      .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1", "v_half"}));
+                  sw::PlanOptions().workers(2).rounds(1).micro_batches({4, 8}).schedules(
+                      {"gpipe", "one_f_one_b", "zero_bubble_h1", "v_half"}));
   }
 
   TEST_CASE("an MLP with the unfused step (optim::OffloadedOptimizer), on 2 workers") {
@@ -168,10 +171,11 @@ TEST_SUITE("plan_pipeline's promise, measured, with the optimizer's state off th
     // At 1.1 and 1.5 times the smallest cap the plans keep the state off the device. (At 4 times
     // it stays on the device, where the unfused step's temporaries count on each worker, as on a
     // GPU; this harness runs that step on the caller's thread, so it cannot see them there.)
-    check_promise("mlp unfused", model, sw::Batch(x), sw::Batch(y), mse,
-                  sw::PlanOptions().workers(2).rounds(1).micro_batches({4}).fused_step(false)
-                      .schedules({"gpipe", "one_f_one_b"}),
-                  {1.1, 1.5});
+    check_promise(
+        "mlp unfused", model, sw::Batch(x), sw::Batch(y), mse,
+        sw::PlanOptions().workers(2).rounds(1).micro_batches({4}).fused_step(false).schedules(
+            {"gpipe", "one_f_one_b"}),
+        {1.1, 1.5});
   }
 
   TEST_CASE("the GPT example's transformer, on 2 workers") {
@@ -188,7 +192,7 @@ TEST_SUITE("plan_pipeline's promise, measured, with the optimizer's state off th
     // From 4 micro-batches: at 2, ZB-H1's worker 0 is over-predicted by up to 10% on the safe side
     // (its gradients count whole from its first W), as in plan_promise_test.cpp.
     check_promise("gpt", model, sw::Batch(ids), sw::Batch(next), gpt::lm_loss,
-                  sw::PlanOptions().workers(2).rounds(1).micro_batches({4})
-                      .schedules({"gpipe", "one_f_one_b", "zero_bubble_h1"}));
+                  sw::PlanOptions().workers(2).rounds(1).micro_batches({4}).schedules(
+                      {"gpipe", "one_f_one_b", "zero_bubble_h1"}));
   }
 }

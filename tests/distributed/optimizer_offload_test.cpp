@@ -36,9 +36,13 @@ torch::nn::Sequential skip_model() {
                                torch::nn::Tanh(), torch::nn::Linear(8, 3));
 }
 
-torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); }
+torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
+  return torch::mse_loss(y, t);
+}
 
-void expect(bool ok, const std::string& what) { TORCH_CHECK(ok, what); }
+void expect(bool ok, const std::string& what) {
+  TORCH_CHECK(ok, what);
+}
 
 std::string temp_dir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
@@ -98,9 +102,10 @@ TEST_SUITE("distributed optimizer offload") {
               const auto target = pipe->has_stage(1) ? y : torch::Tensor();
               const sched::one_f_one_b s;
               if (fused) {
-                pipe->clip_grad_norm_step(*f, [&] { pipe->train_step(in, target, mse, *f, s); }, 0.05);
-                ref->clip_grad_norm_step(*ref_f, [&] { ref->train_step(x, y, mse, *ref_f, s); },
-                                         0.05);
+                pipe->clip_grad_norm_step(
+                    *f, [&] { pipe->train_step(in, target, mse, *f, s); }, 0.05);
+                ref->clip_grad_norm_step(
+                    *ref_f, [&] { ref->train_step(x, y, mse, *ref_f, s); }, 0.05);
               } else {
                 pipe->train_step(in, target, mse, s);
                 ref->train_step(x, y, mse, s);
@@ -148,7 +153,8 @@ TEST_SUITE("distributed optimizer offload") {
               dist("state2d"));
           sw::distributed::Pipe ref(c, ref_seq, sw::balance{4, 4}, options, dist("plain2d"));
           const auto adam = torch::optim::AdamOptions(1e-2);
-          sw::optim::FusedStep f(pipe->named_parameters(), adam), ref_f(ref->named_parameters(), adam);
+          sw::optim::FusedStep f(pipe->named_parameters(), adam),
+              ref_f(ref->named_parameters(), adam);
           for (int step = 0; step < 2; ++step) {
             torch::manual_seed(100 + step);
             const auto x = torch::randn({12, 6});

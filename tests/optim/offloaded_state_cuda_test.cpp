@@ -39,7 +39,8 @@ void stall(const torch::Device& device) {
 
 torch::nn::Sequential model(const torch::Device& device) {
   torch::manual_seed(3);
-  torch::nn::Sequential m(torch::nn::Linear(256, 512), torch::nn::Tanh(), torch::nn::Linear(512, 256));
+  torch::nn::Sequential m(torch::nn::Linear(256, 512), torch::nn::Tanh(),
+                          torch::nn::Linear(512, 256));
   m->to(device);
   return m;
 }

@@ -82,8 +82,8 @@ bool equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>
 
 // `steps` fused steps with the state in `store` (share of the bytes).
 template <class Options>
-Net train_fused_offloaded(Options options, sw::runtime::AnyStore store, double share,
-                          NetConfig cfg, int steps = 10) {
+Net train_fused_offloaded(Options options, sw::runtime::AnyStore store, double share, NetConfig cfg,
+                          int steps = 10) {
   auto net = test::make_net(cfg);
   sw::optim::FusedStep fused(net->named_parameters(), options);
   fused.offload_state(sw::runtime::OffloadedState(store, share));
@@ -120,8 +120,10 @@ void check_every_store(Options options, NetConfig cfg = {}) {
   TempDir dir("offloaded_state");
   for (double share : {1.0, 0.5}) {
     CAPTURE(share);
-    CHECK(equal(values(train_fused_offloaded(options, sw::runtime::HostStore(), share, cfg)), want));
-    CHECK(equal(values(train_unfused_offloaded(options, sw::runtime::HostStore(), share, cfg)), want));
+    CHECK(
+        equal(values(train_fused_offloaded(options, sw::runtime::HostStore(), share, cfg)), want));
+    CHECK(equal(values(train_unfused_offloaded(options, sw::runtime::HostStore(), share, cfg)),
+                want));
     CHECK(equal(values(train_fused_offloaded(options, sw::runtime::FileStore(dir.path.string()),
                                              share, cfg)),
                 want));
@@ -183,8 +185,8 @@ TEST_SUITE("optimizer state off the device") {
     sw::optim::OffloadedOptimizer unfused(unfused_net->named_parameters(), optim::AdamOptions(1e-2),
                                           sw::runtime::OffloadedState(sw::runtime::HostStore()));
     for (int s = 0; s < 6; ++s) {
-      auto r = sw::optim::clip_grad_norm_step(fused, [&] { test::forward_backward(fused_net, s); },
-                                              0.05);
+      auto r = sw::optim::clip_grad_norm_step(
+          fused, [&] { test::forward_backward(fused_net, s); }, 0.05);
       CHECK(r.stepped);
       test::forward_backward(unfused_net, s);
       torch::nn::utils::clip_grad_norm_(unfused_net->parameters(), 0.05);
@@ -259,7 +261,8 @@ TEST_SUITE("optimizer state off the device") {
           fused->offload_state(sw::runtime::OffloadedState(store));
         } else {
           unfused = std::make_unique<sw::optim::OffloadedOptimizer>(
-              net->named_parameters(), optim::AdamOptions(1e-2), sw::runtime::OffloadedState(store));
+              net->named_parameters(), optim::AdamOptions(1e-2),
+              sw::runtime::OffloadedState(store));
         }
         auto step = [&](int s) {
           test::forward_backward(net, s);
@@ -275,10 +278,12 @@ TEST_SUITE("optimizer state off the device") {
         *store.fail_at = store.writes->load() + n;
         const auto e = error_of([&] { step(1); });
         CAPTURE(e);
-        CHECK(contains(e, "stagewise::runtime::OffloadedState in FailingStore: the host step of "
-                          "parameter '"));
-        CHECK(contains(e, "' failed, so no parameter and no optimizer state changed in this "
-                          "step: FailingStore: write "));
+        CHECK(contains(e,
+                       "stagewise::runtime::OffloadedState in FailingStore: the host step of "
+                       "parameter '"));
+        CHECK(contains(e,
+                       "' failed, so no parameter and no optimizer state changed in this "
+                       "step: FailingStore: write "));
         CHECK(equal(values(net), before));
         if (fused) {
           for (const auto& p : net->parameters()) CHECK_FALSE(p.grad().defined());
@@ -330,11 +335,13 @@ TEST_SUITE("optimizer state off the device") {
       ::setrlimit(RLIMIT_FSIZE, &old);
       std::signal(SIGXFSZ, handler);
     }
-    CHECK(contains(e, "the host step of parameter '0.weight' failed, so no parameter and no "
-                      "optimizer state changed in this step: stagewise::FileStore('" +
-                          dir.path.string() + "'): writing 4096 bytes of the optimizer state of '"));
-    CHECK(contains(e, ".next' failed after 1024 (File too large); free space on that disk or "
-                      "give FileStore a directory on one with room"));
+    CHECK(contains(e,
+                   "the host step of parameter '0.weight' failed, so no parameter and no "
+                   "optimizer state changed in this step: stagewise::FileStore('" +
+                       dir.path.string() + "'): writing 4096 bytes of the optimizer state of '"));
+    CHECK(contains(e,
+                   ".next' failed after 1024 (File too large); free space on that disk or "
+                   "give FileStore a directory on one with room"));
     CHECK(dir.files().size() == files.size());  // the step's new files are gone
     for (std::size_t i = 0; i < before.size(); ++i) {
       CHECK(torch::equal(model->parameters()[i], before[i]));
@@ -353,10 +360,11 @@ TEST_SUITE("optimizer state off the device") {
     test::forward_backward(net, 0);  // no finish_step()
     const auto e = error_of([&] { test::forward_backward(net, 1); });
     CHECK(contains(e, "stagewise::optim::FusedStep: parameter 'c."));
-    CHECK(contains(e, "got its last gradient of a step again before the step ended; its state is "
-                      "offloaded (runtime::OffloadedState in HostStore (pinned host memory)), "
-                      "which updates it only when the step ends: call fused.finish_step() after "
-                      "each step's backward passes"));
+    CHECK(contains(e,
+                   "got its last gradient of a step again before the step ended; its state is "
+                   "offloaded (runtime::OffloadedState in HostStore (pinned host memory)), "
+                   "which updates it only when the step ends: call fused.finish_step() after "
+                   "each step's backward passes"));
     fused.reset_step();
     CHECK(contains(error_of([&] {
                      fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore()));
@@ -365,8 +373,8 @@ TEST_SUITE("optimizer state off the device") {
     auto other = test::make_net({});
     CHECK(contains(error_of([&] {
                      sw::optim::FusedStep f(net->parameters(), optim::AdamOptions(1e-3));
-                     f.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore(),
-                                                                 {other->a->weight}));
+                     f.offload_state(
+                         sw::runtime::OffloadedState(sw::runtime::HostStore(), {other->a->weight}));
                    }),
                    "stagewise::runtime::OffloadedState: a tensor of shape [16, 6] it was given "
                    "to hold is not one of the optimizer's parameters"));
@@ -416,25 +424,33 @@ TEST_SUITE("optimizer state off the device") {
       }
       void save(const std::string& f) {
         torch::serialize::OutputArchive a;
-        if (fused) fused->save(a); else unfused->save(a);
+        if (fused)
+          fused->save(a);
+        else
+          unfused->save(a);
         a.save_to(f);
       }
       void load(const std::string& f) {
         torch::serialize::InputArchive a;
         a.load_from(f);
-        if (fused) fused->load(a); else unfused->load(a);
+        if (fused)
+          fused->load(a);
+        else
+          unfused->load(a);
       }
     };
     auto make = [&](Net& net, Kind k) {
       Opt o;
-      if (k == kPlain) o.unfused = std::make_unique<optim::Adam>(net->parameters(), optim::AdamOptions(1e-2));
+      if (k == kPlain)
+        o.unfused = std::make_unique<optim::Adam>(net->parameters(), optim::AdamOptions(1e-2));
       if (k == kOffloaded) {
         o.unfused = std::make_unique<sw::optim::OffloadedOptimizer>(
             net->named_parameters(), optim::AdamOptions(1e-2),
             sw::runtime::OffloadedState(sw::runtime::HostStore()));
       }
       if (k == kFused || k == kFusedOffloaded) {
-        o.fused = std::make_unique<sw::optim::FusedStep>(net->named_parameters(), optim::AdamOptions(1e-2));
+        o.fused = std::make_unique<sw::optim::FusedStep>(net->named_parameters(),
+                                                         optim::AdamOptions(1e-2));
       }
       if (k == kFusedOffloaded) {
         o.fused->offload_state(
@@ -450,7 +466,9 @@ TEST_SUITE("optimizer state off the device") {
     };
     for (Kind from : {kPlain, kFused, kFusedOffloaded, kOffloaded}) {
       for (Kind to : {kPlain, kFused, kFusedOffloaded, kOffloaded}) {
-        if (from != kFusedOffloaded && from != kOffloaded && to != kFusedOffloaded && to != kOffloaded) continue;
+        if (from != kFusedOffloaded && from != kOffloaded && to != kFusedOffloaded &&
+            to != kOffloaded)
+          continue;
         CAPTURE(from);
         CAPTURE(to);
         auto net = test::make_net({});

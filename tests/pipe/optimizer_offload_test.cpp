@@ -78,9 +78,9 @@ Trained train(const Setting& s, sw::PipeOptions options) {
   auto m = model();
   options.chunks(8).checkpoint(s.mode);
   auto pipe = sw::Pipe(m, s.balance, options);
-  const auto factory = s.adam ? sw::optim::make_optimizer_factory(torch::optim::AdamOptions(0.01))
-                              : sw::optim::make_optimizer_factory(
-                                    torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto factory =
+      s.adam ? sw::optim::make_optimizer_factory(torch::optim::AdamOptions(0.01))
+             : sw::optim::make_optimizer_factory(torch::optim::SGDOptions(0.1).momentum(0.9));
   std::optional<sw::optim::FusedStep> fused;
   std::unique_ptr<torch::optim::Optimizer> unfused;
   if (s.fused) {
@@ -160,7 +160,8 @@ TEST_SUITE("optimizer state off the device, in a pipe") {
   TEST_CASE("every schedule x checkpoint mode, fused and unfused, Adam and SGD: bit for bit") {
     const std::string dir = temp_dir("matrix");
     for (const auto& [schedule, balance] : every_schedule()) {
-      for (auto mode : {sw::Checkpoint::always, sw::Checkpoint::except_last, sw::Checkpoint::never}) {
+      for (auto mode :
+           {sw::Checkpoint::always, sw::Checkpoint::except_last, sw::Checkpoint::never}) {
         for (bool fused : {true, false}) {
           for (bool adam : {true, false}) {
             CAPTURE(schedule.name());
@@ -169,10 +170,10 @@ TEST_SUITE("optimizer state off the device, in a pipe") {
             CAPTURE(adam);
             const Setting s{schedule, balance, mode, fused, adam};
             // Adam's state all in host memory; SGD's momentum in files, a share per stage.
-            auto offloaded = adam ? sw::PipeOptions().optimizer_offload(sw::runtime::HostStore())
-                                  : sw::PipeOptions().optimizer_offload(
-                                        sw::runtime::FileStore(dir),
-                                        std::vector<double>(balance.size(), 0.5));
+            auto offloaded =
+                adam ? sw::PipeOptions().optimizer_offload(sw::runtime::HostStore())
+                     : sw::PipeOptions().optimizer_offload(
+                           sw::runtime::FileStore(dir), std::vector<double>(balance.size(), 0.5));
             const auto with = train(s, offloaded);
             CHECK(with.offloaded > 0);
             check_same(train(s, sw::PipeOptions()), with);
@@ -254,8 +255,8 @@ TEST_SUITE("optimizer state off the device, in a pipe") {
           CAPTURE(fused);
           CAPTURE(before);
           CAPTURE(after);
-          const std::string save = dir + "/save_" + std::to_string(fused) +
-                                   std::to_string(before) + std::to_string(after);
+          const std::string save = dir + "/save_" + std::to_string(fused) + std::to_string(before) +
+                                   std::to_string(after);
           (void)run(fused, before, sw::balance{4, 4}, "", save, 0, 2);
           const auto got =
               run(fused, after, after ? sw::balance{2, 6} : sw::balance{4, 4}, save, "", 2, 4);
@@ -274,11 +275,10 @@ TEST_SUITE("optimizer state off the device, in a pipe") {
                    }),
                    "stagewise::Pipe: optimizer_offload gives 3 shares for a pipe of 2 stages; "
                    "give one share per stage, or one for all"));
-    CHECK(contains(error_of([] {
-                     (void)sw::PipeOptions().optimizer_offload(sw::runtime::HostStore(), 2.0);
-                   }),
-                   "optimizer_offload's share is 2; give a share of a stage's parameter bytes "
-                   "from 0 (none) to 1 (all)"));
+    CHECK(contains(
+        error_of([] { (void)sw::PipeOptions().optimizer_offload(sw::runtime::HostStore(), 2.0); }),
+        "optimizer_offload's share is 2; give a share of a stage's parameter bytes "
+        "from 0 (none) to 1 (all)"));
     auto pipe = sw::Pipe(m, sw::balance{4, 4}, sw::PipeOptions());
     CHECK(contains(error_of([&] { (void)pipe->offloaded_state(); }),
                    "stagewise::Pipe::offloaded_state: the pipe keeps the optimizer's state on the "

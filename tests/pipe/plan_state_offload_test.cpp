@@ -30,17 +30,24 @@ torch::nn::Sequential mlp() {
   return m;
 }
 
-torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }
+torch::Tensor mse(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::mse_loss(a, b);
+}
 
 sw::PlanOptions quick() {
-  return sw::PlanOptions().workers(2).rounds(1).micro_batches({2}).schedules({"one_f_one_b"})
+  return sw::PlanOptions()
+      .workers(2)
+      .rounds(1)
+      .micro_batches({2})
+      .schedules({"one_f_one_b"})
       .fused_step(true);
 }
 
 // The smallest cap the planner names when it refuses a cap of 1 byte.
 std::int64_t smallest_cap(const torch::nn::Sequential& model, const torch::Tensor& x,
                           sw::PlanOptions options) {
-  const auto e = error_of([&] { (void)sw::plan_pipeline(model, sw::Batch(x), options.memory_per_worker(1)); });
+  const auto e =
+      error_of([&] { (void)sw::plan_pipeline(model, sw::Batch(x), options.memory_per_worker(1)); });
   const std::string key = "the smallest cap any candidate fits is ";
   REQUIRE(contains(e, key));
   return std::stoll(e.substr(e.find(key) + key.size()));
@@ -59,7 +66,8 @@ TEST_SUITE("plan_pipeline with the optimizer's state off the device") {
     MESSAGE("smallest cap on the device " << on_device << ", with the state off " << off);
     CHECK(on_device - off >= 2 * 66048);
     const auto plan = sw::plan_pipeline(
-        model, sw::Batch(x), y, mse, quick().optimizer_store(sw::runtime::HostStore()).memory_per_worker(off + 16));
+        model, sw::Batch(x), y, mse,
+        quick().optimizer_store(sw::runtime::HostStore()).memory_per_worker(off + 16));
     REQUIRE(plan.optimizer_shares == std::vector<double>{1.0, 1.0});
     CHECK(plan.optimizer_store.has_value());
     const auto report = plan.report();
@@ -89,9 +97,11 @@ TEST_SUITE("plan_pipeline with the optimizer's state off the device") {
     CHECK(pipe->resolved_options().optimizer_shares == std::vector<double>{1.0, 1.0});
     sw::optim::FusedStep fused(pipe->named_parameters(), torch::optim::AdamOptions(1e-3));
     auto copy = mlp();
-    auto plain = sw::Pipe(copy, plan.split, sw::PipeOptions().chunks(plan.micro_batches)
-                                                  .checkpoint(plan.checkpoints)
-                                                  .schedule(plan.schedule));
+    auto plain = sw::Pipe(copy, plan.split,
+                          sw::PipeOptions()
+                              .chunks(plan.micro_batches)
+                              .checkpoint(plan.checkpoints)
+                              .schedule(plan.schedule));
     sw::optim::FusedStep plain_fused(plain->named_parameters(), torch::optim::AdamOptions(1e-3));
     for (int step = 0; step < 2; ++step) {
       pipe->train_step(x, y, mse, fused);
@@ -107,15 +117,18 @@ TEST_SUITE("plan_pipeline with the optimizer's state off the device") {
     auto model = mlp();
     const auto x = torch::randn({8, 128});
     const auto plan = sw::plan_pipeline(
-        model, sw::Batch(x), quick().optimizer_store(sw::runtime::HostStore()).memory_per_worker(64LL << 20));
+        model, sw::Batch(x),
+        quick().optimizer_store(sw::runtime::HostStore()).memory_per_worker(64LL << 20));
     // None fits first and is the fastest (a host step copies on top), or is as fast.
     CHECK(plan.candidates.size() >= 3);  // none, half, all
     bool none_weighed = false;
     for (const auto& c : plan.candidates) {
-      none_weighed = none_weighed || contains(c.description, "optimizer state off the device: none | none");
+      none_weighed =
+          none_weighed || contains(c.description, "optimizer state off the device: none | none");
     }
     CHECK(none_weighed);
-    CHECK(contains(error_of([] { (void)sw::PlanOptions().optimizer_store(sw::runtime::HostStore(), 0); }),
-                   "the optimizer store's speed is 0 bytes per second; give a positive speed"));
+    CHECK(contains(
+        error_of([] { (void)sw::PlanOptions().optimizer_store(sw::runtime::HostStore(), 0); }),
+        "the optimizer store's speed is 0 bytes per second; give a positive speed"));
   }
 }

@@ -300,7 +300,9 @@ class FusedStep {
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
   /// unfused one's. `torch::save(fused, file)` calls this.
-  void save(torch::serialize::OutputArchive& archive) const { detail::save_fused(state(), archive); }
+  void save(torch::serialize::OutputArchive& archive) const {
+    detail::save_fused(state(), archive);
+  }
 
   /// The kind of state it keeps: its optimizer's options type, as the unfused optimizer's
   /// (`optim::state_kind`), so that a pipe's save made with one loads into the other.

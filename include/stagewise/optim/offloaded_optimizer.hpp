@@ -40,21 +40,21 @@ class OffloadedOptimizer : public torch::optim::Optimizer, public StateOutsideMa
   /// `optimizer_for<Options>` (e.g. `torch::optim::AdamOptions(1e-3)`) over `params`, with
   /// `offload` keeping the state of the parameters it chooses.
   template <fusable_options Options, class Offload>
-  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
-  OffloadedOptimizer(detail::ParameterList params, Options options, Offload&& offload)
-      : OffloadedOptimizer(std::move(params), make_optimizer_factory(std::move(options)),
-                           std::make_shared<std::remove_cvref_t<Offload>>(
-                               std::forward<Offload>(offload))) {}
+  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload> OffloadedOptimizer(
+      detail::ParameterList params, Options options, Offload&& offload)
+      : OffloadedOptimizer(
+            std::move(params), make_optimizer_factory(std::move(options)),
+            std::make_shared<std::remove_cvref_t<Offload>>(std::forward<Offload>(offload))) {}
 
   /// Any optimizer `factory` builds (one group over exactly the parameters it is given, stepping
   /// without a closure, whose state `offload` knows: SGD, Adam, AdamW, RMSprop, Adagrad for
   /// `runtime::OffloadedState`).
   template <class Offload>
-  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
-  OffloadedOptimizer(detail::ParameterList params, OptimizerFactory factory, Offload&& offload)
-      : OffloadedOptimizer(std::move(params), std::move(factory),
-                           std::make_shared<std::remove_cvref_t<Offload>>(
-                               std::forward<Offload>(offload))) {}
+  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload> OffloadedOptimizer(
+      detail::ParameterList params, OptimizerFactory factory, Offload&& offload)
+      : OffloadedOptimizer(
+            std::move(params), std::move(factory),
+            std::make_shared<std::remove_cvref_t<Offload>>(std::forward<Offload>(offload))) {}
 
   /// The same, with an offload shared with its owner.
   OffloadedOptimizer(detail::ParameterList params, OptimizerFactory factory,
@@ -63,7 +63,8 @@ class OffloadedOptimizer : public torch::optim::Optimizer, public StateOutsideMa
                                 defaults_of(factory, params.tensors)),
         factory_(std::move(factory)),
         offload_(std::move(offload)) {
-    TORCH_CHECK(offload_ != nullptr, who_, ": the offload is null; give one (e.g. "
+    TORCH_CHECK(offload_ != nullptr, who_,
+                ": the offload is null; give one (e.g. "
                 "runtime::OffloadedState(runtime::HostStore()))");
     add_param_group(torch::optim::OptimizerParamGroup(params.tensors));
     all_ = params.tensors;
@@ -81,7 +82,8 @@ class OffloadedOptimizer : public torch::optim::Optimizer, public StateOutsideMa
   /// the held ones on their host steps, whose updates are applied first (all, or none and an
   /// error), then the others on their device.
   torch::Tensor step(LossClosure closure = nullptr) override {
-    TORCH_CHECK(!closure, who_, "::step: a closure cannot run in two places; call it yourself "
+    TORCH_CHECK(!closure, who_,
+                "::step: a closure cannot run in two places; call it yourself "
                 "before step()");
     const auto& options = param_groups_.at(0).options();
     const auto& params = all_;
@@ -157,9 +159,11 @@ class OffloadedOptimizer : public torch::optim::Optimizer, public StateOutsideMa
  private:
   static std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(
       const OptimizerFactory& factory, const std::vector<torch::Tensor>& params) {
-    TORCH_CHECK(static_cast<bool>(factory), "stagewise::optim::OffloadedOptimizer: the optimizer "
+    TORCH_CHECK(static_cast<bool>(factory),
+                "stagewise::optim::OffloadedOptimizer: the optimizer "
                 "factory is empty; pass options (e.g. torch::optim::AdamOptions(1e-3))");
-    TORCH_CHECK(!params.empty(), "stagewise::optim::OffloadedOptimizer: no parameters to "
+    TORCH_CHECK(!params.empty(),
+                "stagewise::optim::OffloadedOptimizer: no parameters to "
                 "optimize; pass model->parameters() or model->named_parameters()");
     auto built = factory({torch::zeros({1}).requires_grad_(true)});  // a probe: no state made
     TORCH_CHECK(built && built->param_groups().size() == 1,

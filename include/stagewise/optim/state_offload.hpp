@@ -51,7 +51,8 @@ inline std::vector<bool> choose_offloaded(const std::vector<std::int64_t>& bytes
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return bytes[a] > bytes[b]; });
-  const double total = static_cast<double>(std::accumulate(bytes.begin(), bytes.end(), std::int64_t{0}));
+  const double total =
+      static_cast<double>(std::accumulate(bytes.begin(), bytes.end(), std::int64_t{0}));
   double taken = 0;
   for (std::size_t i : order) {
     const auto b = static_cast<double>(bytes[i]);

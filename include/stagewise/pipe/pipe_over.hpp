@@ -235,8 +235,8 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
   /// The optimizer offload of `PipeOptions().optimizer_offload(store, share)` for this process's
   /// stages (each stage's share of its parameters, largest first), for an unfused optimizer
   /// (a fused step given to `train_step` gets it by itself); an error without the option.
-  ///   sw::optim::OffloadedOptimizer adam(pipe->named_parameters(), torch::optim::AdamOptions(1e-3),
-  ///                                      pipe->offloaded_state());
+  ///   sw::optim::OffloadedOptimizer adam(pipe->named_parameters(),
+  ///                                      torch::optim::AdamOptions(1e-3), pipe->offloaded_state());
   runtime::OffloadedState offloaded_state() const {
     return detail::offloaded_state_of(stages_, resolved_, who_);
   }

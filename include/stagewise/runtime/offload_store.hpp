@@ -69,13 +69,17 @@ class AnyStore {
   /// `state_store`); the calls of what it does not keep are an error naming the fix.
   bool keeps_activations() const { return self_->keeps_activations(); }
   bool keeps_state() const { return self_->keeps_state(); }
+  /// The store's `state_store` calls (see there): `key`'s kept state, a copy to change.
   std::optional<optim::StateRecord> read_state(const std::string& key) {
     return self_->read_state(key);
   }
+  /// Stages `record` as `key`'s new state, kept by `commit_state` or dropped by `discard_state`.
   void write_state(const std::string& key, optim::StateRecord record) {
     self_->write_state(key, std::move(record));
   }
+  /// Every staged state becomes the kept one.
   void commit_state() { self_->commit_state(); }
+  /// Every staged state is dropped; the kept ones stay.
   void discard_state() { self_->discard_state(); }
 
  private:

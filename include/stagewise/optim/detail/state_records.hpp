@@ -60,7 +60,8 @@ const State& state_as(const torch::optim::OptimizerParamState& s) {
 }
 
 // The record of `state` (its tensors shared, not copied).
-inline optim::StateRecord record_of(StateKind kind, const torch::optim::OptimizerParamState& state) {
+inline optim::StateRecord record_of(StateKind kind,
+                                    const torch::optim::OptimizerParamState& state) {
   switch (kind) {
     case StateKind::sgd:
       return {{state_as<torch::optim::SGDParamState>(state).momentum_buffer()}, 0};

@@ -39,8 +39,8 @@ struct StateOffloadStage {
 // A stage with `share` of its state off the device: what it holds, and its step's parts.
 struct OffloadedStage {
   schedule::StageState state;
-  double device_step = 0;  // seconds of the step left on the device
-  double host_seconds = 0; // the host steps and the copies of the offloaded parameters
+  double device_step = 0;   // seconds of the step left on the device
+  double host_seconds = 0;  // the host steps and the copies of the offloaded parameters
 };
 
 inline OffloadedStage offloaded_stage(const StateOffloadStage& s, double share) {
@@ -83,7 +83,8 @@ inline double with_host_steps(const schedule::Simulation& sim, const schedule::P
   std::vector<double> last_end(static_cast<std::size_t>(plan.stages), 0.0);
   for (const auto& e : sim.timeline.actions) {
     const auto kind = e.action.kind;
-    if (kind != schedule::ActionKind::backward && kind != schedule::ActionKind::weight_grad) continue;
+    if (kind != schedule::ActionKind::backward && kind != schedule::ActionKind::weight_grad)
+      continue;
     auto& t = last_end[static_cast<std::size_t>(e.action.stage)];
     t = std::max(t, e.end);
   }
@@ -117,6 +118,8 @@ inline std::string describe_shares(const std::vector<double>& shares) {
 }
 
 // The share after `share` in the order a stage's is raised: none, half, all.
-inline double next_share(double share) { return share < 0.5 ? 0.5 : 1.0; }
+inline double next_share(double share) {
+  return share < 0.5 ? 0.5 : 1.0;
+}
 
 }  // namespace stagewise::detail

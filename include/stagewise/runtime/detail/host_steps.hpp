@@ -62,7 +62,7 @@ struct HostJob {
   torch::Tensor grad, param;            // a CPU parameter's, until they are copied
   torch::Tensor grad_host, param_host;  // on the host
   std::optional<PinnedBuffer> grad_buffer, param_buffer;  // behind them, for a GPU parameter
-  std::optional<c10::Event> landed;     // the device-to-host copies' end (a GPU parameter)
+  std::optional<c10::Event> landed;  // the device-to-host copies' end (a GPU parameter)
   std::unique_ptr<torch::optim::OptimizerOptions> options;
   std::exception_ptr error;
 };
@@ -85,7 +85,8 @@ class HostSteps {
   // Holds the parameters `chosen` marks among `params` (names: for errors).
   void bind(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names,
             const optim::OptimizerFactory& factory, const std::vector<bool>& chosen) {
-    TORCH_CHECK(!bound_, who_, ": it is bound to an optimizer already; give each optimizer an "
+    TORCH_CHECK(!bound_, who_,
+                ": it is bound to an optimizer already; give each optimizer an "
                 "OffloadedState of its own");
     kind_ = state_kind_of(factory, who_);
     factory_ = factory;
@@ -203,8 +204,8 @@ class HostSteps {
   void set_state(std::size_t i, std::unique_ptr<torch::optim::OptimizerParamState> s) {
     TORCH_CHECK(holds(i), who_, ": parameter ", i, " is not one it holds");
     const auto& key = held_[static_cast<std::size_t>(held_of_[i])].key;
-    store_.write_state(key, s ? ::stagewise::detail::copy_to_host(record_of(kind_, *s))
-                              : optim::StateRecord{});
+    store_.write_state(
+        key, s ? ::stagewise::detail::copy_to_host(record_of(kind_, *s)) : optim::StateRecord{});
     try {
       store_.commit_state();
     } catch (...) {
@@ -294,10 +295,13 @@ class HostSteps {
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, who_, ": the host step of ", name, " failed, so no parameter and no "
-                  "optimizer state changed in this step: ", ::stagewise::detail::message_of(e));
+      TORCH_CHECK(false, who_, ": the host step of ", name,
+                  " failed, so no parameter and no "
+                  "optimizer state changed in this step: ",
+                  ::stagewise::detail::message_of(e));
     }
-    TORCH_CHECK(false, who_, ": the host step of ", name, " failed with an exception that is "
+    TORCH_CHECK(false, who_, ": the host step of ", name,
+                " failed with an exception that is "
                 "not a std::exception; no parameter and no optimizer state changed");
   }
 
@@ -343,7 +347,7 @@ class HostSteps {
   std::condition_variable idle_;
   int running_ = 0;
   std::vector<std::shared_ptr<HostJob>> jobs_;  // this step's
-  std::map<int, c10::Stream> streams_;           // device index -> its copy stream to the host
+  std::map<int, c10::Stream> streams_;          // device index -> its copy stream to the host
   // Last: the threads stop (finishing what is queued) before the members their tasks use go.
   std::map<std::thread::id, std::unique_ptr<Worker>> steppers_;
   std::unique_ptr<Worker> copier_;

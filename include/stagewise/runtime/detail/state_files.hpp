@@ -57,8 +57,8 @@ class StateFiles {
       path = it->second.path;
     }
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, "stagewise::", who, ": cannot open '", path,
-                "', the optimizer state of '", key, "' (", std::strerror(errno),
+    TORCH_CHECK(fd >= 0, "stagewise::", who, ": cannot open '", path, "', the optimizer state of '",
+                key, "' (", std::strerror(errno),
                 "); was it removed during training? Keep the directory for the store alone");
     optim::StateRecord out;
     out.step = layout.step;
@@ -142,8 +142,8 @@ class StateFiles {
         if (f.kept) ::unlink(f.path.c_str());
         f.kept.reset();
       } else {
-        TORCH_CHECK(::rename(next_of(f.path).c_str(), f.path.c_str()) == 0, "stagewise::",
-                    who, ": cannot rename '", next_of(f.path), "' to '", f.path, "' (",
+        TORCH_CHECK(::rename(next_of(f.path).c_str(), f.path.c_str()) == 0, "stagewise::", who,
+                    ": cannot rename '", next_of(f.path), "' to '", f.path, "' (",
                     std::strerror(errno),
                     "): the optimizer state in the store is now partly of this step; resume from "
                     "the last save (pipe->load)");
@@ -199,17 +199,16 @@ class StateFiles {
   // failure names the store, the key, the file, the bytes and the fix.
   template <class Step>
   static void transfer(const std::string& who, const std::string& path, const std::string& key,
-                       std::int64_t bytes,
-                const char* doing, const char* preposition, const char* short_reason,
-                const char* fix, Step&& step) {
+                       std::int64_t bytes, const char* doing, const char* preposition,
+                       const char* short_reason, const char* fix, Step&& step) {
     std::int64_t done = 0;
     while (done < bytes) {
       const auto n = step(done);
       if (n < 0 && errno == EINTR) continue;
       TORCH_CHECK(n > 0, "stagewise::", who, ": ", doing, " ", bytes,
                   " bytes of the optimizer state of '", key, "' ", preposition, " '", path,
-                  "' failed after ", done, " (", n < 0 ? std::strerror(errno) : short_reason,
-                  "); ", fix);
+                  "' failed after ", done, " (", n < 0 ? std::strerror(errno) : short_reason, "); ",
+                  fix);
       done += n;
     }
   }
