@@ -2,17 +2,21 @@
 // torchgpipe's way, on examples/gpt's transformer where activations dominate, 4 workers in one
 // process (one intra-op thread each):
 //   (a) torchgpipe's way: GPipe, checkpoint except_last, Adam, split by time, chunks 8;
-//   (b) the plan for the smallest cap plan_pipeline accepts (a FileStore allowed);
+//   (b) the plan for the smallest cap plan_pipeline accepts, activations allowed to a FileStore
+//       and the optimizer's state off the device (a HostStore: runtime::OffloadedState);
+//   (b0) the same with the optimizer's state kept on the device (the plan before #51);
 //   (c) the top 5 candidates that fit (b)'s cap, each measured;
 //   (d), (e): the same for 1.5 times that cap, where more candidates fit: the simulator's ranking.
 // A worker's peak: its stages' parameters, the optimizer's state where the caller's thread made
-// it (the unfused optimizer), and the most its thread held at once in a step (MemoryMeter); the
-// worst worker's is reported. Steps alternate in rounds (benchmarks/common/rounds.hpp).
+// it (the unfused optimizer's, on the device), and the most its thread held at once in a step
+// (MemoryMeter; state off the device is made and kept by the offload's host threads); the worst
+// worker's is reported. Steps alternate in rounds (benchmarks/common/rounds.hpp).
 //   ./bazelw run -c opt //benchmarks:fit [-- --rounds=3] [--dim=128] [--context=256] [--batch=16]
 // Last line:
 //   fit memory_ratio=<b peak / a peak> time_ratio=<b step / a step> cap_respected=<1 if every
 //   planned run's measured peak is within its cap> choice_vs_best=<fastest measured of (c) /
 //   the plan's measured step> choice_vs_best_loose=<the same for (e) and (d)>
+//   memory_ratio_state_on_device=<b0 peak / a peak> time_ratio_state_on_device=<b0 / a step>
 #include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/rounds.hpp"
 #include "examples/gpt/model.hpp"
@@ -54,7 +58,7 @@ struct Run {
   torch::nn::Sequential model;
   sw::Pipe<> pipe = nullptr;
   std::unique_ptr<sw::optim::FusedStep> fused;
-  std::unique_ptr<torch::optim::Adam> adam;
+  std::unique_ptr<torch::optim::Optimizer> adam;  // unfused: Adam, or an OffloadedOptimizer
   sw::schedule::any_schedule schedule{sw::schedule::gpipe{}};
   double cap = 0;  // 0: none
   double predicted_peak = 0;
@@ -85,10 +89,18 @@ struct Run {
       for (int j = 0; j < n; ++j) {
         if (schedule.worker_of(j, n) != w) continue;
         if (first < 0) first = j;
+        const auto* offloaded = dynamic_cast<const sw::optim::OffloadedOptimizer*>(adam.get());
+        const auto params = pipe->parameters();
         for (const auto& p : pipe->named_parameters()) {
           if (p.key().rfind("stage" + std::to_string(j) + ".", 0) != 0) continue;
           held += static_cast<double>(p.value().nbytes());
-          if (adam) held += 2.0 * static_cast<double>(p.value().nbytes());  // exp_avg, exp_avg_sq
+          if (!adam) continue;
+          const auto i = static_cast<std::size_t>(
+              std::find_if(params.begin(), params.end(),
+                           [&](const torch::Tensor& t) { return t.is_same(p.value()); }) -
+              params.begin());
+          if (offloaded != nullptr && offloaded->offloaded(i)) continue;  // in the store
+          held += 2.0 * static_cast<double>(p.value().nbytes());  // exp_avg, exp_avg_sq
         }
       }
       held += static_cast<double>(meter.peak_of(pipe->stage_thread(static_cast<std::size_t>(first))));
@@ -119,9 +131,12 @@ std::unique_ptr<Run> planned(const gpt::Config& c, const std::string& name,
   r->model = gpt::make_model(c);
   r->pipe = sw::Pipe(r->model, plan);
   r->schedule = plan.schedule;
-  if (plan.fused_step) {
+  if (plan.fused_step) {  // the pipe gives it the plan's optimizer offload, if any
     r->fused = std::make_unique<sw::optim::FusedStep>(r->pipe->parameters(),
                                                      torch::optim::AdamOptions(1e-3));
+  } else if (r->pipe->resolved_options().optimizer_store) {
+    r->adam = std::make_unique<sw::optim::OffloadedOptimizer>(
+        r->pipe->named_parameters(), torch::optim::AdamOptions(1e-3), r->pipe->offloaded_state());
   } else {
     r->adam = std::make_unique<torch::optim::Adam>(r->pipe->parameters(), torch::optim::AdamOptions(1e-3));
   }
@@ -163,30 +178,35 @@ int main(int argc, char** argv) {
   const auto dir = std::filesystem::temp_directory_path() / "stagewise_fit";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  auto options = sw::PlanOptions().workers(4).rounds(1).store(sw::runtime::FileStore(dir.string()), 1e9);
-  // (b): the smallest cap the planner accepts.
-  std::int64_t smallest = 0;
-  {
-    const auto model = [&] {
-      torch::manual_seed(0);
-      return gpt::make_model(c);
-    }();
-    try {
-      (void)sw::plan_pipeline(model, sw::Batch(x), y, gpt::lm_loss,
-                              sw::PlanOptions(options).memory_per_worker(1));
-    } catch (const c10::Error& e) {
-      const std::string text = e.what_without_backtrace();
-      const std::string key = "the smallest cap any candidate fits is ";
-      smallest = std::atoll(text.c_str() + text.find(key) + key.size());
-    }
-  }
+  const auto on_device =
+      sw::PlanOptions().workers(4).rounds(1).store(sw::runtime::FileStore(dir.string()), 1e9);
+  const auto options = sw::PlanOptions(on_device).optimizer_store(sw::runtime::HostStore());
   const auto model = [&] {
     torch::manual_seed(0);
     return gpt::make_model(c);
   }();
+  // The smallest cap the planner accepts for `o`, from its refusal of 1 byte.
+  auto smallest_cap = [&](const sw::PlanOptions& o) -> std::int64_t {
+    try {
+      (void)sw::plan_pipeline(model, sw::Batch(x), y, gpt::lm_loss,
+                              sw::PlanOptions(o).memory_per_worker(1));
+    } catch (const c10::Error& e) {
+      const std::string text = e.what_without_backtrace();
+      const std::string key = "the smallest cap any candidate fits is ";
+      return std::atoll(text.c_str() + text.find(key) + key.size());
+    }
+    return 0;
+  };
+  // (b): the smallest cap the planner accepts; (b0): the same with the state on the device.
+  const std::int64_t smallest = smallest_cap(options);
   const auto plan = sw::plan_pipeline(model, sw::Batch(x), y, gpt::lm_loss,
                                       sw::PlanOptions(options).memory_per_worker(smallest + 1));
   std::printf("%s", plan.report().c_str());
+  const auto plan0 = sw::plan_pipeline(
+      model, sw::Batch(x), y, gpt::lm_loss,
+      sw::PlanOptions(on_device).memory_per_worker(smallest_cap(on_device) + 1));
+  std::printf("(b0) with the optimizer's state on the device: %s",
+              plan0.report().substr(0, plan0.report().find("candidates")).c_str());
   // (d): the ranking where more candidates fit: the plan for 1.5 times the smallest cap, and the
   // top 5 candidates that fit it.
   const auto loose = sw::plan_pipeline(
@@ -195,6 +215,7 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<Run>> runs;
   runs.push_back(torchgpipe_way(c, x));
   runs.push_back(planned(c, "(b) the plan", plan));
+  runs.push_back(planned(c, "(b0) the plan with the state on the device", plan0));
   auto add_top = [&](const sw::PipelinePlan& p, const std::string& tag) {
     int top = 0;
     for (const auto& cand : p.candidates) {
@@ -234,12 +255,17 @@ int main(int argc, char** argv) {
   const auto time = r.wall_ratio(b_name, a_name);
   std::printf("plan / torchgpipe's way: step time %.3f [%.3f, %.3f] over %d rounds\n", time.median,
               time.min, time.max, rounds);
+  const auto time0 = r.wall_ratio(runs[2]->name, a_name);
+  std::printf("plan with the state on the device / torchgpipe's way: step time %.3f [%.3f, %.3f]\n",
+              time0.median, time0.min, time0.max);
   std::filesystem::remove_all(dir);
   const std::string d_name = "(d) the plan for 1.5x the cap";
   std::printf("fit memory_ratio=%.3f time_ratio=%.3f cap_respected=%d choice_vs_best=%.3f "
-              "choice_vs_best_loose=%.3f\n",
+              "choice_vs_best_loose=%.3f memory_ratio_state_on_device=%.3f "
+              "time_ratio_state_on_device=%.3f\n",
               runs[1]->measured_peak / runs[0]->measured_peak, time.median, cap_respected ? 1 : 0,
               fastest_c > 0 ? fastest_c / r.wall(b_name).median : 1.0,
-              fastest_e > 0 ? fastest_e / r.wall(d_name).median : 1.0);
+              fastest_e > 0 ? fastest_e / r.wall(d_name).median : 1.0,
+              runs[2]->measured_peak / runs[0]->measured_peak, time0.median);
   return 0;
 }

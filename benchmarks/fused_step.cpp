@@ -7,8 +7,14 @@
 // fused alternate in rounds so that load from other processes hits all alike; ratios are taken
 // round by round and printed as median [min, max]. The scaler row: Adam fused and clipped
 // (clip_grad_norm_step, two passes) with and without an amp::GradScaler, whose unscale and
-// inf/NaN check ride the norm pass. The header prints the conditions (BLAS loaded, load
-// average, ...); the last line is the summary.
+// inf/NaN check ride the norm pass. The offload rows: Adam fused with its whole state in a
+// runtime::HostStore (runtime::OffloadedState: stepped on host threads beside backward) against
+// the fused step with the state on the device, time in alternating rounds (offload_step_ratio);
+// and the bytes the stepping thread holds at its peak per parameter (MemoryMeter: parameters,
+// gradients, the state and temporaries it holds; at a batch of 8 rows, whose activations are
+// 1.5% of the parameters), for plain Adam, fused Adam, and fused Adam with the state offloaded
+// (state_bytes_per_param). The header prints the conditions (BLAS loaded, load average, ...); the
+// last line is the summary.
 #include "benchmarks/common/blas.hpp"
 #include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/memory.hpp"
@@ -26,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace sw = stagewise;
@@ -216,6 +223,70 @@ bench::Summary measure_scaler(int rounds) {
   return t;
 }
 
+// The fused Adam step, its state on the device or (offload) all in a HostStore, at `batch` rows.
+struct OffloadSetup {
+  torch::nn::Sequential mlp = make_mlp();
+  torch::Tensor x, y;
+  sw::optim::FusedStep fused{mlp->parameters(), torch::optim::AdamOptions(1e-4)};
+
+  OffloadSetup(bool offload, int batch) : x(torch::randn({batch, kWidth})), y(torch::randn({batch, kWidth})) {
+    if (offload) fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore()));
+    step();  // the optimizer state
+    step();
+  }
+  void step() {
+    torch::mse_loss(mlp->forward(x), y).backward();
+    fused.finish_step();  // the offloaded parameters take their updates here
+  }
+};
+
+// Bytes per parameter the stepping (this) thread holds at its peak in one step at 8 rows: plain
+// Adam (standard step), fused Adam, fused Adam with its state offloaded.
+std::vector<double> state_bytes_per_param() {
+  auto& meter = sw::MemoryMeter::install();
+  const double params = static_cast<double>(kLayers) * kWidth * (kWidth + 1);
+  std::vector<double> out;
+  const auto me = std::this_thread::get_id();
+  {
+    Setup standard("adam", Mode::standard);
+    standard.x = torch::randn({8, kWidth});
+    standard.y = torch::randn({8, kWidth});
+    meter.reset_peak();
+    standard.step();
+    out.push_back(static_cast<double>(meter.peak_of(me)) / params);
+  }
+  for (bool offload : {false, true}) {
+    OffloadSetup s(offload, 8);
+    meter.reset_peak();
+    s.step();
+    out.push_back(static_cast<double>(meter.peak_of(me)) / params);
+  }
+  return out;
+}
+
+// Alternating rounds of the fused Adam step with the state on the device and offloaded, at the
+// benchmark's batch: per-round ratios of wall time (offloaded / on the device).
+bench::Summary measure_offload(int rounds) {
+  OffloadSetup on_device(false, kBatch), offloaded(true, kBatch);
+  OffloadSetup* setups[2] = {&on_device, &offloaded};
+  std::vector<double> wall[2], ratio;
+  for (int r = 0; r < rounds; ++r) {
+    for (int m = 0; m < 2; ++m) wall[m].push_back(bench::median_us([&] { setups[m]->step(); }, 3, 1));
+    ratio.push_back(wall[1].back() / wall[0].back());
+  }
+  const char* rows[2] = {"fused", "+offload"};
+  for (int m = 0; m < 2; ++m) {
+    const auto w = bench::summarize(wall[m]);
+    std::printf("%-5s %-9s %11s %10s %15s %9.1f %9.1f %9.1f %9s\n", "adam", rows[m], "", "", "",
+                w.min / 1000, w.median / 1000, w.max / 1000, "");
+  }
+  const auto t = bench::summarize(ratio);
+  std::printf("adam  offload: fused step with the whole state in a HostStore / on the device, wall "
+              "time %.3f [%.3f, %.3f] (median [min, max] of %d alternating rounds)\n",
+              t.median, t.min, t.max, rounds);
+  return t;
+}
+
 double mib(long long bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
@@ -270,10 +341,15 @@ int main(int argc, char** argv) {
     if (kind == "adam") adam_time_ratio = t.wall_ratio.median;
   }
   const bench::Summary scaler = measure_scaler(rounds);
+  const bench::Summary offload = measure_offload(rounds);
+  const auto per_param = state_bytes_per_param();
+  std::printf("adam  bytes per parameter the stepping thread holds at its peak (8 rows): standard "
+              "%.2f, fused %.2f, fused + state offloaded %.2f\n",
+              per_param[0], per_param[1], per_param[2]);
   conditions.print_end();
   std::printf(
       "fused_step sgd_peak_ratio=%.3f adam_peak_ratio=%.3f time_ratio=%.3f "
-      "scaler_time_ratio=%.3f\n",
-      peak_ratio[0], peak_ratio[1], adam_time_ratio, scaler.median);
+      "scaler_time_ratio=%.3f state_bytes_per_param=%.2f offload_step_ratio=%.3f\n",
+      peak_ratio[0], peak_ratio[1], adam_time_ratio, scaler.median, per_param[2], offload.median);
   return 0;
 }

@@ -2,7 +2,7 @@
 // layers run unpipelined; the fused optimizer step against the standard one; ParallelBranches of 8
 // small experts against the same experts run one after another. Every figure is defined in
 // docs/benchmarks.md ("pipe_cuda (GPU)").
-//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdef]
+//   build/pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdefg]
 // Needs a CUDA LibTorch and a GPU: without one it exits with code 2 and says so.
 //
 // (a) large: 16 x (Linear(4096,4096), GELU) in 4 stages of 4 layers, batch 1024, chunks 8 (128-row
@@ -32,10 +32,17 @@
 // (f) precision: the large model's train_step (1F1B, checkpoint never) + Adam in fp32, under bf16
 //     autocast, and under fp16 autocast with an amp::GradScaler (scaled losses, unscale_, the
 //     inf/NaN check and the scale's update on the GPU); time and peak as in (c).
+// (g) the optimizer's state off the device: the large model's whole batch with Adam fused into
+//     backward, its state on the GPU against all of it in a HostStore (runtime::OffloadedState:
+//     gradients and values copied to pinned host buffers in the hooks, Adam stepped on the CPU
+//     beside backward, the values copied back in finish_step); wall time in alternating rounds,
+//     and the GPU bytes per parameter at the step's peak with 8 rows (activations about 0.2% of
+//     the parameters).
 // The last line is
 //   pipe_cuda overhead_vs_loop=X ckpt_always_peak_ratio=Y branches_speedup=Z
 //             offload_peak_ratio=P offload_time_ratio=T offload_vs_torchgpipe_peak=Q
 //             offload_vs_torchgpipe_time=U fp16_time_ratio=H fp16_peak_ratio=K
+//             gpu_offload_step_ratio=O gpu_state_bytes_per_param=S
 // overhead_vs_loop: (a) train_step with the 1F1B schedule, checkpoint never / the micro-batch loop,
 //   wall time, median of the per-round ratios (goal on an H100: <= 1.02);
 // ckpt_always_peak_ratio: (a) peak of train_step 1F1B with checkpoint always / with never;
@@ -47,6 +54,10 @@
 //   (goals: <= 0.6 and <= 1.05).
 // fp16_time_ratio, fp16_peak_ratio: (f) fp16 + GradScaler / fp32, wall time (median of the
 //   per-round ratios) and peak.
+// gpu_offload_step_ratio: (g) the fused Adam step with its whole state in a HostStore / on the
+//   GPU, wall time, median of the per-round ratios (goal <= 1.15);
+// gpu_state_bytes_per_param: (g) the GPU's peak bytes in that step (8 rows) / its parameters
+//   (goal <= 4.5 for fp32; 12 and more with the state on the device).
 // A phase that does not finish within its time limit (a hang) ends the program with code 3 after
 // printing the last line with nan for the figures not measured.
 #include <stagewise/stagewise.hpp>
@@ -211,7 +222,7 @@ struct Options {
   bool quick = false;
   bool tf32 = false;
   std::string device = "cuda:0";
-  std::string sections = "abcdef";
+  std::string sections = "abcdefg";
 };
 
 struct ModelSpec {
@@ -867,6 +878,63 @@ PrecisionResult precision_section(const ModelSpec& spec, const Gpu& gpu, const O
   std::exit(2);
 }
 
+// ---- (g): the optimizer's state off the device ------------------------------------------------
+
+struct StateOffloadResult {
+  bench::Summary time_ratio;
+  double bytes_per_param = std::nan("");
+};
+
+StateOffloadResult state_offload_section(const ModelSpec& spec, const Gpu& gpu, const Options& opt) {
+  auto model = mlp(spec, gpu.device);
+  const auto params = model->parameters();
+  double count = 0;
+  for (const auto& p : params) count += static_cast<double>(p.numel());
+  const auto x = torch::randn({spec.batch, spec.width}, gpu.device);
+  const auto t = torch::randn({spec.batch, spec.width}, gpu.device);
+  // Two fused steps over the same parameters, each attached only for its own steps.
+  auto fused = [&](bool offload) {
+    auto f = std::make_shared<sw::optim::FusedStep>(params, torch::optim::AdamOptions(1e-4));
+    if (offload) f->offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore()));
+    f->detach();
+    return f;
+  };
+  auto step = [&](std::shared_ptr<sw::optim::FusedStep> f, torch::Tensor in, torch::Tensor target) {
+    return [&model, f, in, target] {
+      f->attach();
+      mse(model->forward(in), target).backward();
+      f->finish_step();  // the offloaded parameters take their values here
+      f->detach();
+    };
+  };
+  constexpr const char* kOnDevice = "whole batch, Adam fused, state on the GPU";
+  constexpr const char* kOffloaded = "whole batch, Adam fused, state in a HostStore";
+  std::printf("(g) optimizer state off the device: %s; Adam (lr 1e-4)\n", spec.title.c_str());
+  StateOffloadResult out;
+  {
+    bench::Rounds r(opt.rounds, spec.calls, /*warmup=*/2);
+    r.add(kOnDevice, gpu.synced(step(fused(false), x, t)));
+    r.add(kOffloaded, gpu.synced(step(fused(true), x, t)));
+    r.run();
+    r.print();
+    out.time_ratio = r.wall_ratio(kOffloaded, kOnDevice);
+    bench::print_figure("state in a HostStore / on the GPU, wall time", out.time_ratio, "x");
+  }
+  const auto x8 = x.narrow(0, 0, 8), t8 = t.narrow(0, 0, 8);
+  for (bool offload : {false, true}) {
+    const auto fn = step(fused(offload), x8, t8);
+    fn();
+    fn();
+    const Peak p = measure_peak(gpu, [&] { reset_grads(params); }, fn);
+    const double per = static_cast<double>(p.peak) / count;
+    std::printf("  %-46s %10.1f %10.1f  %.2f bytes per parameter\n",
+                offload ? "8 rows, state in a HostStore" : "8 rows, state on the GPU",
+                mib(p.base), mib(p.peak), per);
+    if (offload) out.bytes_per_param = per;
+  }
+  return out;
+}
+
 Options parse(int argc, char** argv) {
   Options opt;
   bool rounds_given = false;
@@ -886,8 +954,8 @@ Options parse(int argc, char** argv) {
       opt.device = value("--device");
     } else if (arg == "--sections" || arg.rfind("--sections=", 0) == 0) {
       opt.sections = value("--sections");
-      if (opt.sections.empty() || opt.sections.find_first_not_of("abcdef") != std::string::npos) {
-        usage_error("--sections takes letters of abcdef, e.g. --sections e (got '" + opt.sections +
+      if (opt.sections.empty() || opt.sections.find_first_not_of("abcdefg") != std::string::npos) {
+        usage_error("--sections takes letters of abcdefg, e.g. --sections e (got '" + opt.sections +
                     "')");
       }
     } else if (arg == "--quick") {
@@ -896,12 +964,12 @@ Options parse(int argc, char** argv) {
       opt.tf32 = true;
     } else if (arg == "-h" || arg == "--help") {
       std::printf(
-          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdef]\n"
+          "pipe_cuda [--rounds N] [--quick] [--device cuda:N] [--tf32] [--sections abcdefg]\n"
           "  --rounds N       alternating rounds per table (default 7; 2 with --quick)\n"
           "  --quick          small sizes, for a smoke run (its figures mean nothing)\n"
           "  --device cuda:N  the GPU (default cuda:0); every stage goes there\n"
           "  --tf32           allow TF32 in fp32 matrix products (default: LibTorch's setting)\n"
-          "  --sections abcdef the sections to run (default all; the last line says nan for\n"
+          "  --sections abcdefg the sections to run (default all; the last line says nan for\n"
           "                   the figures of sections left out)\n"
           "Figures: docs/benchmarks.md, section \"pipe_cuda (GPU)\".\n");
       std::exit(0);
@@ -964,16 +1032,19 @@ int main(int argc, char** argv) {
   std::atomic<double> offload_peak{std::nan("")}, offload_time{std::nan("")};
   std::atomic<double> vs_torchgpipe_peak{std::nan("")}, vs_torchgpipe_time{std::nan("")};
   std::atomic<double> fp16_time{std::nan("")}, fp16_peak{std::nan("")};
+  std::atomic<double> state_time{std::nan("")}, state_bytes{std::nan("")};
   const auto last_line = [&] {
     conditions.print_end();
     std::printf(
         "pipe_cuda overhead_vs_loop=%s ckpt_always_peak_ratio=%s branches_speedup=%s "
         "offload_peak_ratio=%s offload_time_ratio=%s offload_vs_torchgpipe_peak=%s "
-        "offload_vs_torchgpipe_time=%s fp16_time_ratio=%s fp16_peak_ratio=%s\n",
+        "offload_vs_torchgpipe_time=%s fp16_time_ratio=%s fp16_peak_ratio=%s "
+        "gpu_offload_step_ratio=%s gpu_state_bytes_per_param=%s\n",
         fmt(overhead.load()).c_str(), fmt(ckpt_ratio.load()).c_str(), fmt(branches.load()).c_str(),
         fmt(offload_peak.load()).c_str(), fmt(offload_time.load()).c_str(),
         fmt(vs_torchgpipe_peak.load()).c_str(), fmt(vs_torchgpipe_time.load()).c_str(),
-        fmt(fp16_time.load()).c_str(), fmt(fp16_peak.load()).c_str());
+        fmt(fp16_time.load()).c_str(), fmt(fp16_peak.load()).c_str(),
+        fmt(state_time.load()).c_str(), fmt(state_bytes.load()).c_str());
     std::fflush(stdout);
   };
   Watchdog watchdog([&](const std::string& what) {
@@ -1040,6 +1111,14 @@ int main(int argc, char** argv) {
     const auto f = precision_section(large, gpu, opt);
     fp16_time = f.fp16_time_ratio.median;
     fp16_peak = f.fp16_peak_ratio;
+    std::fflush(stdout);
+  }
+
+  if (runs('g')) {
+    watchdog.phase("(g) optimizer state off the device", std::chrono::seconds(300));
+    const auto g = state_offload_section(large, gpu, opt);
+    state_time = g.time_ratio.median;
+    state_bytes = g.bytes_per_param;
     std::fflush(stdout);
   }
 

@@ -18,7 +18,9 @@ LibTorch inside that torch (python3 -c 'import torch; print(torch.utils.cmake_pr
     tests/pipe/scaled_cuda_test.cpp);
   - runs benchmarks/pipe_cuda and prints its output: one more case, passed when it exits with 0.
     Its last line holds every GPU key of docs/benchmarks.md, fp16_time_ratio and fp16_peak_ratio
-    (section (f): fp32, bf16 and fp16 + GradScaler) included.
+    (section (f): fp32, bf16 and fp16 + GradScaler) and gpu_offload_step_ratio and
+    gpu_state_bytes_per_param (section (g): Adam's state in a HostStore, stepped on the host)
+    included; CTest runs tests/optim/offloaded_state_cuda_test.cpp's GPU case.
 Everything is also written to a log file, named at the start and at the end. The last line is
 `gpu_check: N passed, N failed` (CTest's tests plus the benchmark); the exit status is non-zero
 when anything failed. Without a CUDA GPU, or without a CUDA torch, it refuses (exit status 2)

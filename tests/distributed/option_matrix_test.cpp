@@ -58,6 +58,7 @@ const Row kTable[] = {
     {"devices",                       {yes, yes, yes, yes, yes}},
     {"deferred_batch_norm",           {yes, refused, yes, yes, refused}},
     {"offload",                       {yes, yes, yes, yes, yes}},
+    {"optimizer_offload",             {yes, yes, yes, yes, yes}},
     {"memory_budget",                 {yes, refused, yes, yes, yes}},
     {"memory_budget with checkpoint", {refused, refused, refused, refused, refused}},
     {"schedule",                      {yes, yes, yes, yes, yes}},
@@ -82,6 +83,7 @@ struct Observed {
   sw::ResolvedPipeOptions resolved;
   std::vector<std::int64_t> committed;  // num_batches_tracked of each DeferredBatchNorm
   std::vector<torch::Device> devices;   // of this process's parameters
+  std::size_t state_offloaded = 0;      // the fused step's parameters whose state was offloaded
 };
 
 // One row's options for one kind, and what must be seen (or the refusal's text).
@@ -91,6 +93,7 @@ struct Probe {
   sw::balance balance{3, 3};
   sched::any_schedule schedule{"gpipe", sched::gpipe{}};
   bool options_schedule = false;  // train_step given no schedule: the options' runs
+  bool fused = false;             // train_step given a fused Adam step
   std::string refusal;                                // when refused
   std::function<std::string(const Observed&)> check;  // "" when it took effect
 };
@@ -172,6 +175,17 @@ Probe probe(const std::string& option, Kind kind) {
         if (offloaded != (stage != 0)) return "stage " + std::to_string(stage) + " offloads wrong";
       }
       return std::string();
+    };
+  } else if (option == "optimizer_offload") {
+    p.options.optimizer_offload(sw::runtime::HostStore(), 1.0);
+    p.fused = true;
+    p.check = [](const Observed& o) {
+      if (o.state_offloaded != o.devices.size()) {
+        return "the state of " + std::to_string(o.state_offloaded) + " of " +
+               std::to_string(o.devices.size()) + " parameters went off the device";
+      }
+      return o.resolved.optimizer_shares.size() == 2 ? std::string()
+                                                     : std::string("shares not resolved");
     };
   } else if (option == "memory_budget" || option == "memory_budget with checkpoint") {
     // A budget every plan fits: the fastest, checkpointing nothing (the default except_last
@@ -262,15 +276,24 @@ const torch::Tensor& target() {
 }
 
 // One step of `pipe` with the probe's schedule, or, where the probe sets the options' schedule,
-// with none (train_step then runs the options').
+// with none (train_step then runs the options'); with the probe's fused step, how many of its
+// parameters' state went off the device.
 template <class P>
-void step(P& pipe, const Probe& p, const torch::Tensor& x, const torch::Tensor& y,
-          sched::Timeline& t) {
+std::size_t step(P& pipe, const Probe& p, const torch::Tensor& x, const torch::Tensor& y,
+                 sched::Timeline& t) {
+  if (p.fused) {
+    sw::optim::FusedStep fused(pipe->named_parameters(), torch::optim::AdamOptions(1e-3));
+    pipe->train_step(x, y, mse, fused, p.schedule, &t);
+    std::size_t held = 0;
+    for (std::size_t i = 0; i < fused.size(); ++i) held += fused.offloaded(i);
+    return held;
+  }
   if (p.options_schedule) {
     pipe->train_step(x, y, mse, &t);
   } else {
     pipe->train_step(x, y, mse, p.schedule, &t);
   }
+  return 0;
 }
 
 // The outcome of `p` in one process: "" when as expected, else what differs. `build` makes the
@@ -284,8 +307,10 @@ std::string outcome(const char* expected, const Probe& p, Build build, Step step
   try {
     auto pipe = build();
     sched::Timeline timeline;
-    step(pipe, timeline);
-    return p.check(observe(pipe, timeline));
+    const std::size_t held = step(pipe, timeline);
+    auto observed = observe(pipe, timeline);
+    observed.state_offloaded = held;
+    return p.check(observed);
   } catch (const std::exception& e) {
     return std::string("failed: ") + e.what();
   }
@@ -294,7 +319,7 @@ std::string outcome(const char* expected, const Probe& p, Build build, Step step
 std::string run_pipe(const char* expected, const Probe& p) {
   return outcome(
       expected, p, [&] { return sw::Pipe(model(2), p.balance, p.options); },
-      [&](auto& pipe, sched::Timeline& t) { step(pipe, p, input(), target(), t); });
+      [&](auto& pipe, sched::Timeline& t) { return step(pipe, p, input(), target(), t); });
 }
 
 std::string run_typed(const char* expected, const Probe& p) {
@@ -305,7 +330,7 @@ std::string run_typed(const char* expected, const Probe& p) {
   }
   return outcome(
       expected, p, [&] { return sw::Pipe(sw::stages(first, second), p.options); },
-      [&](auto& pipe, sched::Timeline& t) { step(pipe, p, input(), target(), t); });
+      [&](auto& pipe, sched::Timeline& t) { return step(pipe, p, input(), target(), t); });
 }
 
 // Two ranks over the tests' wire, on two threads (each with options of its own: a store is not
@@ -323,7 +348,8 @@ std::string run_over(const char* expected, const std::string& option) {
         expected, p,
         [&] { return WirePipe(seq, p.balance, p.options, std::make_unique<WireEnd>(wire, r)); },
         [&](auto& pipe, sched::Timeline& t) {
-          step(pipe, p, r == 0 ? input() : torch::Tensor(), r == 1 ? target() : torch::Tensor(), t);
+          return step(pipe, p, r == 0 ? input() : torch::Tensor(),
+                      r == 1 ? target() : torch::Tensor(), t);
         });
   };
   std::thread t0(rank, 0), t1(rank, 1);
@@ -354,8 +380,8 @@ std::string run_ranked(Kind kind, int rank) {
         [&](auto& pipe, sched::Timeline& t) {
           const int stages = pipe->num_stages();
           const auto x = pipe->shard(input()), y = pipe->shard(target());
-          step(pipe, p, pipe->has_stage(0) ? x : torch::Tensor(),
-               pipe->has_stage(stages - 1) ? y : torch::Tensor(), t);
+          return step(pipe, p, pipe->has_stage(0) ? x : torch::Tensor(),
+                      pipe->has_stage(stages - 1) ? y : torch::Tensor(), t);
         });
     if (!got.empty()) failures += std::string(row.option) + " on rank " + std::to_string(rank) + ": " + got + "\n";
   }

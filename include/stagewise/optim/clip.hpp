@@ -43,6 +43,18 @@ struct FusedStepAccess {
   static bool in_norm_pass(optim::FusedStep& fused) {
     return fused.state().shared.mode.load() == FusedMode::norm;
   }
+  // While `on`, step_parameter leaves an offloaded parameter's update to finish_offload (a
+  // data-parallel pipe's reductions step each parameter; the pipe ends the step).
+  static void defer_offload_finish(optim::FusedStep& fused, bool on) {
+    fused.state().shared.defer_offload_finish = on;
+  }
+  // Applies the offloaded parameters' updates of the step (or none, throwing).
+  static void finish_offload(optim::FusedStep& fused) { fused.finish_offload(); }
+  // finish_offload, then the step's counts reset (the norms of a norm pass kept).
+  static void end_offloaded_step(optim::FusedStep& fused) {
+    fused.finish_offload();
+    fused.reset_counts();
+  }
   // A norm pass of clip_grad_norm_step that totals this process's norms only is running (a pipe
   // over several processes refuses it).
   static bool measuring_alone(optim::FusedStep& fused) {
@@ -64,6 +76,7 @@ struct FusedPassGuard {
     st.shared.scaled = nullptr;
     for (auto& slot : st.slots) slot->found_inf = torch::Tensor();
     if (done) return;
+    if (st.offload) st.offload->abandon();  // no offloaded update of a failed pass is applied
     for (auto& slot : st.slots) {
       slot->arrivals.store(0);
       slot->has_norm = false;
@@ -232,6 +245,9 @@ optim::ClipStepResult two_pass_step(optim::FusedStep& fused, F& closure, const T
   rng.restore();
   result.loss = run();
   for (auto& slot : st.slots) slot->flush();  // fewer than k gradients: stepped too
+  // The step is whole: offloaded parameters take their updates now (a pipe's train_step in the
+  // closure did already), and the step ends there, so that the next one may begin.
+  if (st.offload) FusedStepAccess::end_offloaded_step(fused);
   guard.done = true;
   return result;
 }

@@ -1,20 +1,24 @@
 #pragma once
 
+#include "stagewise/optim/detail/fused_saves.hpp"
 #include "stagewise/optim/detail/fused_slot.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
 #include "stagewise/optim/parameter_state.hpp"
 #include "stagewise/optim/savable_optimizer.hpp"
+#include "stagewise/optim/state_offload.hpp"
 
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -156,6 +160,7 @@ class FusedStep {
                   "gradients per backward (a layer recomputed twice).");
     }
     for (auto& slot : st.slots) slot->flush();
+    finish_offload();
     reset_counts();  // not reset_step: a norm pass (clip_grad_norm_step) still needs the norms
   }
 
@@ -173,6 +178,7 @@ class FusedStep {
   /// Forgets the current step (e.g. after an exception mid-backward): pending gradients are
   /// freed and the counts reset; optimizer state is kept.
   void reset_step() {
+    if (state().offload) state().offload->abandon();  // nothing of the step is applied
     for (auto& slot : state().slots) {
       slot->norm = torch::Tensor();
       slot->has_norm = false;
@@ -270,20 +276,32 @@ class FusedStep {
     slot.use_gradient();
     slot.updates.fetch_sub(1, std::memory_order_relaxed);
     state().shared.updated.fetch_sub(1, std::memory_order_relaxed);
+    // An offloaded parameter is updated once its host step is done (a pipe's data-parallel step
+    // defers that to the step's end, where it finishes them all).
+    if (slot.offloaded && !state().shared.defer_offload_finish) state().offload->finish();
   }
+
+  /// Keeps the optimizer state of some parameters off their device, where their step runs too
+  /// (`runtime::OffloadedState`: a share of them, largest first, in a `HostStore` or a
+  /// `FileStore`, stepped on host threads beside backward; bit-identical on the CPU). Their new
+  /// values are written back by `finish_step()`, which each step then needs; a step updates all
+  /// of them or, if a host step fails, none. State already made moves into it. Once, between
+  /// steps. See docs/memory.md, "The model's state".
+  ///   fused.offload_state(sw::runtime::OffloadedState(sw::runtime::HostStore(), /*share=*/1.0));
+  template <class Offload>
+  requires std::derived_from<std::remove_cvref_t<Offload>, StateOffload>
+  void offload_state(Offload&& offload) {
+    install(std::make_shared<std::remove_cvref_t<Offload>>(std::forward<Offload>(offload)));
+  }
+  /// Whether `offload_state` was given, and whether it holds parameter `i`'s state.
+  bool offloads_state() const { return state().offload != nullptr; }
+  bool offloaded(std::size_t i) const { return state().slots.at(i)->offloaded; }
 
   /// Saves the state in the unfused optimizer's layout: one optimizer over all parameters, in
   /// order, so `torch::load(unfused, file)` reads it and `torch::load(fused, file)` reads an
   /// unfused one's. `torch::save(fused, file)` calls this.
   void save(torch::serialize::OutputArchive& archive) const {
-    auto combined = combined_optimizer();
-    for (const auto& slot : state().slots) {
-      // Same tensor, same key: the entries move over as they are (clone() shares the tensors).
-      for (const auto& [key, param_state] : slot->optimizer->state()) {
-        combined->state()[key] = param_state->clone();
-      }
-    }
-    combined->save(archive);
+    detail::save_fused(state(), archive);
   }
 
   /// The kind of state it keeps: its optimizer's options type, as the unfused optimizer's
@@ -301,13 +319,13 @@ class FusedStep {
   bool save_state(const torch::Tensor& param, torch::serialize::OutputArchive& archive) const {
     const auto* slot = slot_of(param);
     return slot != nullptr && state().owns(slot->index) &&
-           optim::save_state(*slot->optimizer, param, archive);
+           detail::save_slot(state(), *slot, archive);
   }
   /// Replaces parameter `param`'s state with what `save_state` wrote (this FusedStep's, another's
   /// or an unfused optimizer's of the same kind, over any parameters). Between steps only.
   void load_state(const torch::Tensor& param, torch::serialize::InputArchive& archive) {
     check_between_steps("load_state");
-    optim::load_state(*find(param, "load_state").optimizer, param, archive);
+    detail::load_slot(state(), find(param, "load_state"), archive);
   }
 
   /// Loads state saved by `save` or by the unfused optimizer over the same parameters. Sharded
@@ -315,38 +333,7 @@ class FusedStep {
   /// `shard_optimizer_state`), it keeps the state of the parameters this replica owns and
   /// refuses, naming it and changing nothing, an owned parameter without state in an archive
   /// that holds state for others (a save of another shard, or of another model).
-  void load(torch::serialize::InputArchive& archive) {
-    auto combined = combined_optimizer();
-    combined->load(archive);
-    const auto& options = combined->param_groups()[0].options();
-    auto& st = state();
-    if (!st.owned.empty() && !combined->state().empty()) {
-      std::ostringstream missing;
-      int count = 0;
-      for (const auto& slot : st.slots) {
-        if (!st.owns(slot->index)) continue;
-        if (combined->state().count(detail::optimizer_state_key(slot->param)) == 0) {
-          missing << (count++ ? ", " : "") << slot->describe();
-        }
-      }
-      TORCH_CHECK(count == 0,
-                  "stagewise::optim::FusedStep::load: the archive holds optimizer "
-                  "state, but none for ",
-                  missing.str(),
-                  ", which this replica owns; it was "
-                  "saved by another replica or for another model. Load each replica's own "
-                  "save (same model, same replica count), or an unsharded optimizer's; nothing "
-                  "was loaded");
-    }
-    for (auto& slot : st.slots) {
-      auto& map = slot->optimizer->state();
-      map.clear();
-      const auto key = detail::optimizer_state_key(slot->param);
-      auto it = combined->state().find(key);
-      if (it != combined->state().end() && st.owns(slot->index)) map[key] = std::move(it->second);
-      slot->optimizer->param_groups()[0].set_options(options.clone());
-    }
-  }
+  void load(torch::serialize::InputArchive& archive) { detail::load_fused(state(), archive); }
 
  private:
   // The per-step counts and pending gradients, cleared; the norms of a norm pass are kept.
@@ -358,6 +345,26 @@ class FusedStep {
       slot->param.mutable_grad().reset();
     }
     st.shared.updated.store(0);
+  }
+
+  // Ends the offloaded parameters' step (their updates applied, or none and an error).
+  void finish_offload() {
+    if (!state().offload) return;
+    try {
+      state().offload->finish();
+    } catch (...) {
+      reset_counts();
+      throw;
+    }
+  }
+
+  // offload_state's work (between steps only; detail::install_offload).
+  void install(std::shared_ptr<StateOffload> offload) {
+    TORCH_CHECK(!state().offload, "stagewise::optim::FusedStep::offload_state: the state is "
+                "offloaded already (", state().offload ? state().offload->describe() : "",
+                "); give a FusedStep one offload, once");
+    check_between_steps("offload_state");
+    detail::install_offload(state(), std::move(offload));
   }
 
   friend struct detail::FusedStepAccess;
@@ -415,19 +422,6 @@ class FusedStep {
       moved.push_back(slot.get());
     }
     return moved;
-  }
-
-  // One optimizer over all parameters, with the current options: the unfused layout.
-  std::unique_ptr<torch::optim::Optimizer> combined_optimizer() const {
-    const auto& st = state();
-    auto combined = st.factory(parameters());
-    TORCH_CHECK(combined && combined->param_groups().size() == 1,
-                "stagewise::optim::FusedStep: the optimizer factory must return an optimizer "
-                "with one param group holding exactly the parameters it is given.");
-    combined->param_groups()[0].set_options(
-        st.slots.front()->optimizer->param_groups()[0].options().clone());
-    combined->state().clear();
-    return combined;
   }
 
   std::unique_ptr<detail::FusedState> state_;

@@ -10,6 +10,7 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/types.h>
 
+#include <memory>
 #include <string>
 #include <typeinfo>
 
@@ -28,6 +29,18 @@ inline bool keeps_state(const torch::optim::Optimizer& optimizer, const torch::T
   return detail::group_of(optimizer, param) != nullptr;
 }
 
+/// Implemented by a `torch::optim::Optimizer` that keeps some parameters' state outside its
+/// `state()` map (`optim::OffloadedOptimizer`: in a store, or in the optimizer it steps the
+/// others with), so that `save_state` reaches that state through the base class, as a pipe's save
+/// does (`load_state` goes through the optimizer's own `load`, which such an optimizer overrides).
+class StateOutsideMap {
+ public:
+  virtual ~StateOutsideMap() = default;
+  /// `param`'s state as the optimizer keeps it (null: none yet).
+  virtual std::unique_ptr<torch::optim::OptimizerParamState> state_of(
+      const torch::Tensor& param) const = 0;
+};
+
 /// Writes `param`'s state in `optimizer` into `archive`, as LibTorch's own optimizer archive of
 /// one group holding `param` alone (with its group's options): any optimizer of the same kind
 /// reads it back with its own `load`, whatever parameters it holds (`load_state`). A parameter
@@ -40,6 +53,11 @@ inline bool save_state(const torch::optim::Optimizer& optimizer, const torch::Te
   detail::refuse_lbfgs(optimizer, "save_state");
   const auto* group = detail::group_of(optimizer, param);
   if (group == nullptr) return false;
+  if (const auto* outside = dynamic_cast<const StateOutsideMap*>(&optimizer)) {
+    const auto state = outside->state_of(param);
+    detail::write_one_parameter(group->options(), state.get(), archive);
+    return true;
+  }
   const auto& states = optimizer.state();
   const auto it = states.find(detail::optimizer_state_key(param));
   detail::write_one_parameter(group->options(), it == states.end() ? nullptr : it->second.get(),

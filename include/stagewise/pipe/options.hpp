@@ -103,6 +103,37 @@ class PipeOptions {
     return *this;
   }
 
+  /// Optimizer state off the device (default none): of each stage's parameters, `share` (0 to 1)
+  /// of their bytes, whole tensors, largest first, keep their optimizer state in `store` (a
+  /// `HostStore` or a `FileStore`; it may also be the activations' `offload` store) and take
+  /// their step on the host (`runtime::OffloadedState`, bit-identical on the CPU). The pipe gives
+  /// it to the fused step passed to `train_step` (one that has no offload of its own); an unfused
+  /// optimizer takes it from `pipe->offloaded_state()` (`optim::OffloadedOptimizer`). A
+  /// distributed pipe's ranks each keep their stages' (a `FileStore`'s files named after the
+  /// rank). See docs/memory.md, "The model's state".
+  ///   sw::PipeOptions().chunks(8).optimizer_offload(sw::runtime::HostStore(), 0.5)
+  PipeOptions& optimizer_offload(runtime::AnyStore store, double share = 1.0) {
+    return optimizer_offload(std::move(store), std::vector<double>{share});
+  }
+  /// Optimizer state off the device, one share per stage, in stage order (the pipe refuses a
+  /// list whose length is not its number of stages).
+  ///   sw::PipeOptions().optimizer_offload(sw::runtime::FileStore("/nvme/state"), {0.0, 0.5, 1.0})
+  PipeOptions& optimizer_offload(runtime::AnyStore store, std::vector<double> shares) {
+    TORCH_CHECK(!shares.empty(), "stagewise::PipeOptions: optimizer_offload got no share; give "
+                "one share for every stage, or one per stage");
+    for (double s : shares) {
+      TORCH_CHECK(s >= 0.0 && s <= 1.0, "stagewise::PipeOptions: optimizer_offload's share is ", s,
+                  "; give a share of a stage's parameter bytes from 0 (none) to 1 (all)");
+    }
+    TORCH_CHECK(store.keeps_state(), "stagewise::PipeOptions: optimizer_offload: ",
+                store.describe(),
+                " keeps no optimizer state (it is not a runtime::state_store); give a HostStore "
+                "or a FileStore");
+    optimizer_store_ = std::move(store);
+    optimizer_shares_ = std::move(shares);
+    return *this;
+  }
+
   /// A memory budget (default none): a pipe built from a Sequential profiles each stage alone on
   /// `sample` (one micro-batch; `profile_stages`) and picks, with `plan_pipeline`'s search held
   /// to the pipe's split, micro-batches and `sched`, each stage's checkpoint mode and offload
@@ -140,6 +171,10 @@ class PipeOptions {
   int64_t chunks() const { return chunks_; }
   const std::optional<MemoryBudget>& memory_budget() const { return memory_budget_; }
   const std::optional<runtime::AnyStore>& offload_store() const { return offload_store_; }
+  /// Where `optimizer_offload` keeps optimizer state (none: on the device), and its shares (one
+  /// for every stage, or one per stage).
+  const std::optional<runtime::AnyStore>& optimizer_store() const { return optimizer_store_; }
+  const std::vector<double>& optimizer_shares() const { return optimizer_shares_; }
   const ::stagewise::schedule::OffloadCosts& offload_costs() const { return offload_costs_; }
   /// The mode of every stage; an error when the modes differ per stage (read checkpoint_of).
   Checkpoint checkpoint() const {
@@ -184,6 +219,8 @@ class PipeOptions {
   ::stagewise::schedule::OffloadCosts offload_costs_;
   std::optional<MemoryBudget> memory_budget_;
   std::optional<::stagewise::schedule::any_schedule> schedule_;
+  std::optional<runtime::AnyStore> optimizer_store_;
+  std::vector<double> optimizer_shares_;
 };
 
 }  // namespace stagewise

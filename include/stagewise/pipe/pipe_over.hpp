@@ -26,6 +26,7 @@
 #include "stagewise/pipe/detail/save_files.hpp"
 #include "stagewise/pipe/detail/scaled_step.hpp"
 #include "stagewise/pipe/detail/stage_devices.hpp"
+#include "stagewise/pipe/detail/state_offload_step.hpp"
 #include "stagewise/pipe/detail/step.hpp"
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
@@ -149,6 +150,7 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
                            schedule::Timeline* timeline = nullptr) {
     if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
       detail::refuse_local_clip(fused, transport_->processes(), where_);
+      detail::offload_fused_state(fused, stages_, resolved_);  // optimizer_offload
     }
     if (replicas_.many()) {
       if constexpr (std::is_same_v<Fused, optim::FusedStep>) {
@@ -228,6 +230,15 @@ class PipeOverImpl : public detail::PipeCore<Transport, Replicas> {
     }
     return optim::clip_grad_norm_step(fused, std::forward<F>(closure), max_norm, scaler,
                                       norm_type, norm_gather(fused, max_norm, norm_type));
+  }
+
+  /// The optimizer offload of `PipeOptions().optimizer_offload(store, share)` for this process's
+  /// stages (each stage's share of its parameters, largest first), for an unfused optimizer
+  /// (a fused step given to `train_step` gets it by itself); an error without the option.
+  ///   sw::optim::OffloadedOptimizer adam(pipe->named_parameters(),
+  ///                                      torch::optim::AdamOptions(1e-3), pipe->offloaded_state());
+  runtime::OffloadedState offloaded_state() const {
+    return detail::offloaded_state_of(stages_, resolved_, who_);
   }
 
   /// The options the pipe was built with, as given.

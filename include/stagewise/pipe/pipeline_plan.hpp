@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/pipe/detail/state_offload_plan.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
@@ -65,6 +66,10 @@ struct PipelinePlan {
   int replicas = 1;
   bool shard_optimizer_state = false;
   bool shard_gradients = false;
+  /// Per stage, the share of its optimizer state off the device (empty: none), in
+  /// `optimizer_store` (`PipeOptions().optimizer_offload`).
+  std::vector<double> optimizer_shares;
+  std::optional<runtime::AnyStore> optimizer_store;
   std::int64_t cap = 0;                ///< bytes per worker
   double step_seconds = 0;             ///< predicted
   std::vector<schedule::WorkerMemory> memory;  ///< per worker, predicted
@@ -80,6 +85,10 @@ struct PipelinePlan {
       schedule::OffloadCosts costs = offload_costs;
       costs.stages = offload_stages;
       o.offload(*store, costs);
+    }
+    if (optimizer_store && std::any_of(optimizer_shares.begin(), optimizer_shares.end(),
+                                       [](double s) { return s > 0; })) {
+      o.optimizer_offload(*optimizer_store, optimizer_shares);
     }
     return o;
   }
@@ -118,7 +127,12 @@ struct PipelinePlan {
         << mib(peak()) << " of a cap of " << mib(static_cast<double>(cap)) << " per worker\n";
     for (std::size_t j = 0; j < checkpoints.size(); ++j) {
       out << "  stage " << j << ": checkpoint " << to_string(checkpoints[j])
-          << (j < offload_stages.size() && offload_stages[j] ? ", offloads" : "") << "\n";
+          << (j < offload_stages.size() && offload_stages[j] ? ", offloads" : "");
+      if (j < optimizer_shares.size() && optimizer_shares[j] > 0) {
+        out << ", optimizer state " << detail::share_name(optimizer_shares[j])
+            << " off the device";
+      }
+      out << "\n";
     }
     for (std::size_t w = 0; w < memory.size(); ++w) {
       const auto& m = memory[w];
@@ -126,7 +140,12 @@ struct PipelinePlan {
           << ") = parameters " << mib(m.params) << " + gradients " << mib(m.grads)
           << " + optimizer state " << mib(m.optimizer) << " + kept activations "
           << mib(m.activations) << " + working " << mib(m.working) << "; offloaded "
-          << mib(m.offloaded) << "\n";
+          << mib(m.offloaded);
+      if (m.optimizer_offloaded > 0) {
+        out << "; optimizer state off the device " << mib(m.optimizer_offloaded) << ", moved "
+            << mib(m.moved) << " per step";
+      }
+      out << "\n";
     }
     out << "candidates (" << candidates.size() << ", the first "
         << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";

@@ -79,6 +79,22 @@ class PlanOptions {
     store_speed_ = bytes_per_second;
     return *this;
   }
+  /// A store the optimizer's state may go to (default none: it stays on the device), and its
+  /// speed in bytes per second (default 4 GB/s): each candidate is then weighed with none, half
+  /// and all of each stage's state there (whole tensors, largest first), its host steps timed
+  /// once on the CPU, and the chosen plan's pipe keeps it there
+  /// (`PipeOptions().optimizer_offload`). May be the activations' `store` too.
+  ///   sw::PlanOptions().workers(4).memory_per_worker(cap).optimizer_store(sw::runtime::HostStore())
+  PlanOptions& optimizer_store(runtime::AnyStore s, double bytes_per_second = 4e9) {
+    TORCH_CHECK(bytes_per_second > 0, "stagewise::PlanOptions: the optimizer store's speed is ",
+                bytes_per_second, " bytes per second; give a positive speed");
+    TORCH_CHECK(s.keeps_state(), "stagewise::PlanOptions: optimizer_store: ", s.describe(),
+                " keeps no optimizer state (it is not a runtime::state_store); give a HostStore "
+                "or a FileStore");
+    optimizer_store_ = std::move(s);
+    optimizer_store_speed_ = bytes_per_second;
+    return *this;
+  }
   /// The schedules to weigh, by name (default: every built-in one; see schedule::default_candidates).
   PlanOptions& schedules(std::vector<std::string> names) {
     TORCH_CHECK(!names.empty(), "stagewise::PlanOptions: schedules is empty; leave it out to "
@@ -176,6 +192,8 @@ class PlanOptions {
   const std::optional<SGDState>& sgd() const { return sgd_; }
   const std::optional<runtime::AnyStore>& store() const { return store_; }
   double store_speed() const { return store_speed_; }
+  const std::optional<runtime::AnyStore>& optimizer_store() const { return optimizer_store_; }
+  double optimizer_store_speed() const { return optimizer_store_speed_; }
   const std::vector<std::string>& schedules() const { return schedules_; }
   const std::vector<int>& micro_batches() const { return micro_batches_; }
   const std::optional<bool>& fused_step() const { return fused_; }
@@ -199,6 +217,8 @@ class PlanOptions {
   std::optional<SGDState> sgd_;
   std::optional<runtime::AnyStore> store_;
   double store_speed_ = 4e9;
+  std::optional<runtime::AnyStore> optimizer_store_;
+  double optimizer_store_speed_ = 4e9;
   std::vector<std::string> schedules_;
   std::vector<int> micro_batches_;
   std::optional<bool> fused_;

@@ -42,6 +42,10 @@ struct ResolvedPipeOptions {
   /// A distributed pipe's rank (within a replica) of every stage; empty in one process, where
   /// each step's schedule places the stages on workers.
   std::vector<int> placement;
+  /// Where each stage's optimizer state lives (`optimizer_offload`; none: on the device), and the
+  /// share of its parameters' bytes there, one per stage.
+  std::optional<runtime::AnyStore> optimizer_store;
+  std::vector<double> optimizer_shares;
   /// The schedule `train_step` runs when given none.
   ::stagewise::schedule::any_schedule schedule{"gpipe", ::stagewise::schedule::gpipe{}};
 };

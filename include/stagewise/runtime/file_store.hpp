@@ -1,6 +1,9 @@
 #pragma once
 
+#include "stagewise/optim/state_offload.hpp"
+#include "stagewise/runtime/detail/state_files.hpp"
 #include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/runtime/state_store.hpp"
 #include "stagewise/runtime/stream.hpp"
 
 #include <c10/util/Exception.h>
@@ -14,6 +17,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,10 +36,15 @@ namespace stagewise::runtime {
 /// crashed run's), fails the step before anything runs; a failed write (disk full) fails it at the
 /// offload; each error names the store and the fix. The directory is not created: name one that
 /// exists.
+/// It keeps optimizer state too (`state_store`, for `OffloadedState`: state larger than host
+/// memory): one file per parameter, `<dir>/<owner.>state.<key>`; a step's new state goes to
+/// `<file>.next`, renamed over the file only when every parameter's step succeeded, so a write
+/// that fails (a full disk) names the file and leaves every kept state as it was.
 ///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::FileStore("/nvme/offload"));
 class FileStore {
  public:
-  explicit FileStore(std::string dir) : dir_(std::move(dir)) {
+  explicit FileStore(std::string dir)
+      : dir_(std::move(dir)), state_(std::make_unique<detail::StateFiles>()) {
     TORCH_CHECK(!dir_.empty(),
                 "stagewise::FileStore: the directory is empty; name the directory to write "
                 "offloaded activations to (e.g. FileStore(\"/nvme/offload\"))");
@@ -123,7 +132,7 @@ class FileStore {
                 ": the owner '", owner,
                 "' cannot name a file; give a non-empty name without '/' (e.g. \"rank0\")");
     if (owner == owner_) return;
-    bool open = false;
+    bool open = state_->any();
     for (const auto& f : files_) open = open || (f && f->fd >= 0);
     TORCH_CHECK(
         owner_.empty() && !open, "stagewise::", describe(), ": the store's files are ",
@@ -135,6 +144,23 @@ class FileStore {
   }
 
   std::string describe() const { return "FileStore('" + dir_ + "')"; }
+
+  /// The optimizer state kept for `key`, read from its file (none: not yet).
+  std::optional<optim::StateRecord> read_state(const std::string& key) {
+    return state_->read(describe(), key);
+  }
+  /// Writes `record` to `key`'s file's `.next`, staged until commit_state.
+  void write_state(const std::string& key, optim::StateRecord record) {
+    state_->write(describe(), key, state_path_of(key), record);
+  }
+  /// Renames every staged state's file over the kept one.
+  void commit_state() { state_->commit(describe()); }
+  /// Removes every staged state's file; the kept ones stay.
+  void discard_state() { state_->discard(); }
+  /// The file of the optimizer state kept for `key`.
+  std::string state_path_of(const std::string& key) const {
+    return dir_ + "/" + (owner_.empty() ? "" : owner_ + ".") + "state." + key;
+  }
   /// The file of stage `j`.
   std::string path_of(int j) const {
     return dir_ + "/" + (owner_.empty() ? "" : owner_ + ".") + "stage" + std::to_string(j) +
@@ -214,8 +240,10 @@ class FileStore {
   std::string dir_;
   std::string owner_;  // names the files (set_owner); empty: "stage<j>.offload"
   std::vector<std::unique_ptr<StageFile>> files_;  // per stage; resized only in begin_step
+  std::unique_ptr<detail::StateFiles> state_;      // optimizer state, per key
 };
 
 static_assert(offload_store<FileStore>);
+static_assert(state_store<FileStore>);
 
 }  // namespace stagewise::runtime

@@ -1,7 +1,9 @@
 #pragma once
 
 #include "stagewise/runtime/detail/pinned_pool.hpp"
+#include "stagewise/optim/state_offload.hpp"
 #include "stagewise/runtime/offload_store.hpp"
+#include "stagewise/runtime/state_store.hpp"
 #include "stagewise/runtime/stream.hpp"
 
 #include <c10/core/Event.h>
@@ -28,6 +30,9 @@ namespace stagewise::runtime {
 /// landed, and the compute stream waits for the reload before anything reads it. For a CPU
 /// stage the tensors are already in host memory: the store keeps them as they are (nothing is
 /// saved; use `FileStore` to take them out of memory on a CPU-only machine).
+/// It keeps optimizer state too (`state_store`, for `OffloadedState`): each parameter's as CPU
+/// tensors, a step's new state beside the old until the step commits (so host memory holds up
+/// to twice the offloaded state while a step runs).
 ///   auto options = sw::PipeOptions().chunks(8).offload(sw::runtime::HostStore());
 class HostStore {
  public:
@@ -120,6 +125,54 @@ class HostStore {
 
   std::string describe() const { return "HostStore (pinned host memory)"; }
 
+  /// A copy of the optimizer state kept for `key`, for the caller to change (none: not yet).
+  std::optional<optim::StateRecord> read_state(const std::string& key) {
+    optim::StateRecord kept;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      auto it = state_->kept_state.find(key);
+      if (it == state_->kept_state.end()) return std::nullopt;
+      kept = it->second;  // shares the tensors: copied below, outside the lock
+    }
+    optim::StateRecord out;
+    out.step = kept.step;
+    for (const auto& t : kept.tensors) {
+      out.tensors.push_back(t.defined() ? t.clone() : torch::Tensor());
+    }
+    return out;
+  }
+  /// Stages `record` as `key`'s new state (host tensors, kept as they are) until commit_state.
+  void write_state(const std::string& key, optim::StateRecord record) {
+    for (auto& t : record.tensors) {
+      TORCH_CHECK(!t.defined() || t.device().is_cpu(), "stagewise::", describe(),
+                  ": optimizer state for '", key, "' on ", t.device(),
+                  "; give it host (CPU) tensors");
+    }
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->staged_state[key] = std::move(record);
+  }
+  /// Makes every staged state the kept one (an empty record: none).
+  void commit_state() {
+    std::map<std::string, optim::StateRecord> staged, replaced;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    staged.swap(state_->staged_state);
+    for (auto& [key, record] : staged) {
+      auto& kept = state_->kept_state[key];
+      replaced[key] = std::move(kept);  // freed once the lock is released
+      if (record.empty()) {
+        state_->kept_state.erase(key);
+      } else {
+        kept = std::move(record);
+      }
+    }
+  }
+  /// Drops every staged state; the kept ones stay as they were.
+  void discard_state() {
+    std::map<std::string, optim::StateRecord> dropped;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    dropped.swap(state_->staged_state);
+  }
+
   /// Pinned buffers allocated so far and their bytes: after the first step, a step like it
   /// allocates none.
   std::int64_t pinned_allocations() const { return state_->pool.allocations(); }
@@ -135,6 +188,7 @@ class HostStore {
   struct State {
     std::mutex mutex;
     std::map<std::pair<int, int>, std::vector<Held>> held;
+    std::map<std::string, optim::StateRecord> kept_state, staged_state;  // optimizer state
     detail::PinnedPool pool;
     std::map<std::pair<int, bool>, c10::Stream> streams;  // (device index, to host) -> stream
 
@@ -150,5 +204,6 @@ class HostStore {
 };
 
 static_assert(offload_store<HostStore>);
+static_assert(state_store<HostStore>);
 
 }  // namespace stagewise::runtime

@@ -1,10 +1,14 @@
 #pragma once
 
+#include "stagewise/optim/state_offload.hpp"
+#include "stagewise/runtime/state_store.hpp"
+
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
 #include <concepts>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,13 +39,16 @@ concept offload_store = requires(S& s, const std::vector<int>& stages, const Sto
   { s.describe() } -> std::convertible_to<std::string>;
 };
 
-/// Any `offload_store`, shared: copies of an AnyStore (e.g. of the PipeOptions holding it) are
-/// one store, so its buffers and files live across steps.
+/// Any `offload_store` (a store of activations) or `state_store` (of optimizer state), or one
+/// that is both (`HostStore`, `FileStore`: one store may hold a pipe's activations and its
+/// optimizer's state), shared: copies of an AnyStore (e.g. of the PipeOptions holding it) are
+/// one store, so its buffers and files live across steps. `keeps_activations()` and
+/// `keeps_state()` say which it is; a call the store cannot serve is an error naming the fix.
 ///   stagewise::runtime::AnyStore store(stagewise::runtime::FileStore("/nvme/offload"));
 class AnyStore {
  public:
-  template <offload_store S>
-  requires(!std::same_as<std::decay_t<S>, AnyStore>)
+  template <class S>
+  requires(!std::same_as<std::decay_t<S>, AnyStore> && (offload_store<S> || state_store<S>))
       AnyStore(S store)  // NOLINT: implicit, as any store converts
       : self_(std::make_shared<Model<S>>(std::move(store))) {}
 
@@ -58,6 +65,23 @@ class AnyStore {
   /// store without a `set_owner(const std::string&)` ignores it. `distributed::Pipe` calls it.
   void set_owner(const std::string& owner) { self_->set_owner(owner); }
 
+  /// Whether the store keeps activations (models `offload_store`) and optimizer state (models
+  /// `state_store`); the calls of what it does not keep are an error naming the fix.
+  bool keeps_activations() const { return self_->keeps_activations(); }
+  bool keeps_state() const { return self_->keeps_state(); }
+  /// The store's `state_store` calls (see there): `key`'s kept state, a copy to change.
+  std::optional<optim::StateRecord> read_state(const std::string& key) {
+    return self_->read_state(key);
+  }
+  /// Stages `record` as `key`'s new state, kept by `commit_state` or dropped by `discard_state`.
+  void write_state(const std::string& key, optim::StateRecord record) {
+    self_->write_state(key, std::move(record));
+  }
+  /// Every staged state becomes the kept one.
+  void commit_state() { self_->commit_state(); }
+  /// Every staged state is dropped; the kept ones stay.
+  void discard_state() { self_->discard_state(); }
+
  private:
   struct Concept {
     virtual ~Concept() = default;
@@ -66,20 +90,74 @@ class AnyStore {
     virtual std::vector<torch::Tensor> take(const StoreKey& key, const torch::Device& device) = 0;
     virtual std::string describe() = 0;
     virtual void set_owner(const std::string& owner) = 0;
+    virtual bool keeps_activations() const = 0;
+    virtual bool keeps_state() const = 0;
+    virtual std::optional<optim::StateRecord> read_state(const std::string& key) = 0;
+    virtual void write_state(const std::string& key, optim::StateRecord record) = 0;
+    virtual void commit_state() = 0;
+    virtual void discard_state() = 0;
   };
   template <class S>
   struct Model final : Concept {
     explicit Model(S s) : store(std::move(s)) {}
-    void begin_step(const std::vector<int>& stages) override { store.begin_step(stages); }
+    void begin_step(const std::vector<int>& stages) override {
+      if constexpr (offload_store<S>) {
+        store.begin_step(stages);
+      } else {
+        refuse("activations (it is not a runtime::offload_store)",
+               "give the activations a HostStore or a FileStore, or add begin_step, put and take "
+               "to the store");
+      }
+    }
     void put(const StoreKey& key, std::vector<torch::Tensor> tensors) override {
-      store.put(key, std::move(tensors));
+      if constexpr (offload_store<S>) store.put(key, std::move(tensors));
     }
     std::vector<torch::Tensor> take(const StoreKey& key, const torch::Device& device) override {
-      return store.take(key, device);
+      if constexpr (offload_store<S>) {
+        return store.take(key, device);
+      } else {
+        (void)key;
+        (void)device;
+        return {};
+      }
     }
     std::string describe() override { return store.describe(); }
     void set_owner(const std::string& owner) override {
       if constexpr (requires { store.set_owner(owner); }) store.set_owner(owner);
+    }
+    bool keeps_activations() const override { return offload_store<S>; }
+    bool keeps_state() const override { return state_store<S>; }
+    std::optional<optim::StateRecord> read_state(const std::string& key) override {
+      if constexpr (state_store<S>) {
+        return store.read_state(key);
+      } else {
+        refuse_state();
+        (void)key;
+        return std::nullopt;
+      }
+    }
+    void write_state(const std::string& key, optim::StateRecord record) override {
+      if constexpr (state_store<S>) {
+        store.write_state(key, std::move(record));
+      } else {
+        refuse_state();
+        (void)key;
+        (void)record;
+      }
+    }
+    void commit_state() override {
+      if constexpr (state_store<S>) store.commit_state();
+    }
+    void discard_state() override {
+      if constexpr (state_store<S>) store.discard_state();
+    }
+    void refuse_state() {
+      refuse("optimizer state (it is not a runtime::state_store)",
+             "give the optimizer's state a HostStore or a FileStore, or add read_state, "
+             "write_state, commit_state and discard_state to the store");
+    }
+    void refuse(const char* what, const char* fix) {
+      TORCH_CHECK(false, "stagewise::", store.describe(), " keeps no ", what, "; ", fix);
     }
     S store;
   };
@@ -87,5 +165,6 @@ class AnyStore {
 };
 
 static_assert(offload_store<AnyStore>);
+static_assert(state_store<AnyStore>);
 
 }  // namespace stagewise::runtime

@@ -6,7 +6,9 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/types.h>
 
+#include <chrono>
 #include <optional>
+#include <thread>
 
 namespace stagewise::runtime {
 
@@ -39,6 +41,13 @@ inline void wait_stream(const c10::Stream& waiter, const c10::Stream& source) {
   c10::Event event(source.device_type());
   event.record(source);
   event.block(waiter);
+}
+
+/// Blocks the calling thread until the work `event` recorded is done (LibTorch's device-generic
+/// event has no wait of its own in every version: it is polled, every 20 microseconds). For a
+/// host thread that reads what a copy to the host wrote.
+inline void wait_event(const c10::Event& event) {
+  while (!event.query()) std::this_thread::sleep_for(std::chrono::microseconds(20));
 }
 
 /// Tells the caching allocator that `tensor` is used on `stream`, so its block is not reused

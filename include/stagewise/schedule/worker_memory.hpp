@@ -23,8 +23,13 @@ namespace stagewise::schedule {
 struct StageState {
   double params = 0;
   double grads = 0;
-  double optimizer = 0;
+  double optimizer = 0;  ///< the optimizer's state on the device
   double step_working = 0;
+  /// The optimizer's state kept off the device (`PipeOptions().optimizer_offload`: a host or
+  /// file store; not on the device), and the bytes that offload moves per step (gradients and
+  /// values to the host and back, the state out of the store and into it).
+  double optimizer_offloaded = 0;
+  double moved = 0;
 };
 
 /// How data-parallel replicas of a pipeline hold each stage (the 2-D pipe,
@@ -60,6 +65,10 @@ struct WorkerMemory {
   double offloaded = 0;
   double expected = 0;
   double least = 0;
+  /// Its stages' optimizer state off the device (not counted in `peak`), and the bytes that
+  /// offload moves per step (`StageState::optimizer_offloaded`, `moved`).
+  double optimizer_offloaded = 0;
+  double moved = 0;
 };
 
 /// What one of `r.replicas` replicas holds of a stage whose whole state is `whole`, for
@@ -193,6 +202,10 @@ class MemoryWalk {
     if (!fused_) t.see(step_working);  // the optimizer's step, after the pipeline's
     WorkerMemory out = t.at_peak;
     out.offloaded = most_offloaded_;
+    for (int s : plan_.stages_of(w)) {
+      out.optimizer_offloaded += state_of(s).optimizer_offloaded;
+      out.moved += state_of(s).moved;
+    }
     return out;
   }
 

@@ -4,6 +4,7 @@
 
 #include "stagewise/optim/detail/amp_kernels.hpp"
 #include "stagewise/optim/optimizer_for.hpp"
+#include "stagewise/optim/state_offload.hpp"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -103,6 +104,11 @@ struct FusedShared {
   bool in_passes = false;       // a two-pass step is running (clip_grad_norm_step, scaler.step)
   ScaledPass* scaled = nullptr;  // while a scaled two-pass step runs: unscale every gradient
   std::atomic<std::int64_t> updated{0};  // parameters stepped since the last finish_step
+  // Where the offloaded parameters' state lives and their step runs (FusedStep::offload_state;
+  // owned by FusedState), and whether step_parameter leaves their updates to the step's end (a
+  // data-parallel pipe's reductions: the pipe finishes them) instead of finishing each at once.
+  optim::StateOffload* offload = nullptr;
+  bool defer_offload_finish = false;
 };
 
 // One parameter: its optimizer, its hook's node and its per-step counts. Touched by the thread
@@ -120,6 +126,7 @@ struct FusedSlot {
   torch::Tensor norm;            // norm pass result
   bool has_norm = false;
   torch::Tensor found_inf;       // a scaled norm pass: 1 if the gradient held an inf or a NaN
+  bool offloaded = false;        // its state and step are the shared offload's
   FusedShared* shared = nullptr;
 
   std::string describe() const {
@@ -140,6 +147,19 @@ struct FusedSlot {
                 " has an fp16 gradient: attempting to unscale FP16 gradients. Keep the "
                 "parameters in fp32 and run the forward under fp16 autocast instead of "
                 "converting the model to fp16");
+  }
+
+  // Hands the final gradient to the offload, whose step updates the parameter only when the step
+  // ends (finish_step): a second update in one step would start from the unchanged parameter.
+  void hand_over(const torch::Tensor& grad) {
+    TORCH_CHECK(updates.load(std::memory_order_relaxed) == 0,
+                "stagewise::optim::FusedStep: ", describe(),
+                " got its last gradient of a step again before the step ended; its state is "
+                "offloaded (", shared->offload->describe(),
+                "), which updates it only when the step ends: call fused.finish_step() after "
+                "each step's backward passes (a pipe's train_step does), and set "
+                "set_accumulation_steps(k) to the number of backward passes per step");
+    shared->offload->step(index, grad, optimizer->param_groups()[0].options());
   }
 
   // Runs after AccumulateGrad has added this backward's gradient to param.grad().
@@ -187,7 +207,11 @@ struct FusedSlot {
         } else if (shared->clip_coef.defined()) {
           grad.mul_(shared->clip_coef);
         }
-        optimizer->step();
+        if (offloaded) {
+          hand_over(grad);
+        } else {
+          optimizer->step();
+        }
       }
       updates.fetch_add(1, std::memory_order_relaxed);
       shared->updated.fetch_add(1, std::memory_order_relaxed);
@@ -226,7 +250,32 @@ struct FusedState {
   std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> shard_norms;
   std::function<torch::Tensor(const torch::Tensor&)> shard_found_inf;
   bool owns(std::size_t i) const { return owned.empty() || owned[i] != 0; }
+  std::shared_ptr<optim::StateOffload> offload;  // FusedStep::offload_state; shared.offload
 };
+
+// Binds `offload` to the fused step's parameters (FusedStep::offload_state) and moves the state
+// they have into it; the device's copy is dropped only once all of it is there.
+inline void install_offload(FusedState& st, std::shared_ptr<optim::StateOffload> offload) {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& slot : st.slots) {
+    params.push_back(slot->param);
+    names.push_back(slot->name);
+  }
+  offload->bind(params, names, st.factory);
+  for (auto& slot : st.slots) {
+    if (!offload->holds(slot->index)) continue;
+    auto& map = slot->optimizer->state();
+    auto it = map.find(optimizer_state_key(slot->param));
+    if (it != map.end()) offload->set_state(slot->index, it->second->clone());
+  }
+  for (auto& slot : st.slots) {
+    slot->offloaded = offload->holds(slot->index);
+    if (slot->offloaded) slot->optimizer->state().clear();
+  }
+  st.offload = std::move(offload);
+  st.shared.offload = st.offload.get();
+}
 
 // Checks the parameters and builds one optimizer per parameter (FusedStep's constructor).
 inline std::unique_ptr<FusedState> make_fused_state(ParameterList params,

@@ -126,6 +126,24 @@ inline double owned_share(const std::vector<double>& bytes, int d) {
          static_cast<double>(total);
 }
 
+// Each layer's optimizer step on the host (CPU copies of its parameters): the layers' device
+// steps when the model is on the CPU already.
+inline std::vector<double> layer_host_step_seconds(const torch::nn::Sequential& model,
+                                                   const PlanOptions& o,
+                                                   const std::vector<double>& device_steps) {
+  std::vector<double> out;
+  for (const auto& layer : model->children()) {
+    std::vector<torch::Tensor> host;
+    bool moved = false;
+    for (const auto& p : layer->parameters()) {
+      moved = moved || !p.device().is_cpu();
+      host.push_back(p.detach().to(torch::kCPU));
+    }
+    out.push_back(moved ? optimizer_step_seconds(o, host) : device_steps[out.size()]);
+  }
+  return out;
+}
+
 // What each stage holds besides its cells, from its costs and the optimizer (and, with
 // replicas, what one replica holds: schedule::replica_state).
 inline std::vector<schedule::StageState> stage_states(const std::vector<StageCosts>& costs,
@@ -186,6 +204,7 @@ struct PlanFound {
   bool fused = false;
   schedule::OffloadCosts copies;
   bool stable = false;  // its split is the split by size, which no run's timings change
+  std::vector<double> state_shares;  // per stage, optimizer state off the device (empty: none)
 };
 
 // The search of plan_pipeline over every candidate; `plan()` chooses.
@@ -204,6 +223,7 @@ class PipelinePlanner {
     if (options.device()) profiling_.device(*options.device());
     schedules_ = plan_schedules(options);
     layer_steps_ = layer_step_seconds(model, options);
+    if (options.optimizer_store()) layer_host_steps_ = layer_host_step_seconds(model, options, layer_steps_);
     if (!options.fused_step() || !*options.fused_step()) fused_choices_.push_back(false);
     if (!options.fused_step() || *options.fused_step()) fused_choices_.push_back(true);
   }
@@ -233,7 +253,9 @@ class PipelinePlanner {
           if (loss_fn_ && target_.defined()) loss = {loss_fn_, target_.narrow(0, 0, rows_ / m)};
           costs[split] = profile_stages(model_, split, sample, profiling_, loss);
         }
-        for (bool fused : fused_choices_) weigh(sc, m, by, split, costs[split], fused, stable);
+        for (bool fused : fused_choices_) {
+          weigh_state_shares(sc, m, by, split, costs[split], fused, stable);
+        }
       }
     }
   }
@@ -323,10 +345,77 @@ class PipelinePlanner {
     return in;
   }
 
+  // Weighs one candidate with its optimizer state on the device and, with an optimizer store,
+  // with shares of it off: the stages of every worker over the cap go none, half, all, until it
+  // fits or all are off; and half and all on every stage.
+  void weigh_state_shares(const schedule::ScheduleCandidate& sc, int m, const std::string& by,
+                          const balance& split, const std::vector<StageCosts>& costs, bool fused,
+                          bool stable) {
+    if (!options_.optimizer_store()) {
+      weigh(sc, m, by, split, costs, fused, stable, {});
+      return;
+    }
+    const auto n = split.size();
+    std::vector<std::vector<double>> tried;
+    auto weigh_once = [&](const std::vector<double>& shares) -> const PlanFound* {
+      if (std::find(tried.begin(), tried.end(), shares) != tried.end()) return nullptr;
+      tried.push_back(shares);
+      const auto before = found_.size();
+      weigh(sc, m, by, split, costs, fused, stable, shares);
+      return found_.size() > before ? &found_.back() : nullptr;
+    };
+    std::vector<double> shares(n, 0.0);
+    for (const PlanFound* f = weigh_once(shares); f != nullptr && !f->candidate.fits;) {
+      const auto& plan = f->weighed.plan;
+      bool raised = false;
+      for (int w = 0; w < plan.workers; ++w) {
+        if (f->weighed.weight.peaks[static_cast<std::size_t>(w)] <= usable_) continue;
+        for (int j : plan.stages_of(w)) {
+          auto& s = shares[static_cast<std::size_t>(j)];
+          if (s < 1.0) {
+            s = next_share(s);
+            raised = true;
+          }
+        }
+      }
+      if (!raised) break;
+      f = weigh_once(shares);
+    }
+    for (double uniform : {0.5, 1.0}) weigh_once(std::vector<double>(n, uniform));
+  }
+
+  // The stages of `split` with `shares` of their optimizer state off the device: what each
+  // holds and its step's device and host parts (state_offload_plan.hpp).
+  void apply_state_shares(SearchInput& in, const balance& split,
+                          const std::vector<double>& shares) const {
+    const auto layers = model_->children();
+    std::size_t first = 0;
+    for (std::size_t j = 0; j < split.size(); ++j) {
+      StateOffloadStage stage;
+      for (std::size_t l = first; l < first + static_cast<std::size_t>(split[j]); ++l) {
+        for (const auto& p : layers[l]->parameters()) {
+          if (p.requires_grad()) stage.param_bytes.push_back(static_cast<std::int64_t>(p.nbytes()));
+        }
+        stage.host_step += layer_host_steps_[l];
+      }
+      first += static_cast<std::size_t>(split[j]);
+      stage.device_step = in.step_seconds[j];
+      stage.state_per_param = options_.state_per_param();
+      stage.step_temporaries = options_.step_temporaries();
+      stage.speed = options_.optimizer_store_speed();
+      const auto o = offloaded_stage(stage, shares[j]);
+      in.state[j] = o.state;
+      in.step_seconds[j] = o.device_step;
+      in.host_seconds.push_back(o.host_seconds);
+    }
+  }
+
   // Searches one candidate's checkpoint modes and offloads, and records what it found.
   void weigh(const schedule::ScheduleCandidate& sc, int m, const std::string& by,
-             const balance& split, const std::vector<StageCosts>& costs, bool fused, bool stable) {
-    const SearchInput in = input(sc, m, split, costs, fused);
+             const balance& split, const std::vector<StageCosts>& costs, bool fused, bool stable,
+             const std::vector<double>& shares) {
+    SearchInput in = input(sc, m, split, costs, fused);
+    if (!shares.empty()) apply_state_shares(in, split, shares);
     schedule::PlanCache plans;
     schedule::detail::MemoryCandidate w;
     try {
@@ -342,6 +431,7 @@ class PipelinePlanner {
     for (std::size_t j = 0; j < split.size(); ++j) d << (j ? "," : "") << split[j];
     d << "}, " << schedule::detail::describe(w.choices) << ", " << (fused ? "fused" : "unfused")
       << " step";
+    if (!shares.empty()) d << ", optimizer state off the device: " << describe_shares(shares);
     cand.description = d.str();
     cand.step_seconds = w.weight.time;
     cand.peak = w.peak;
@@ -349,7 +439,8 @@ class PipelinePlanner {
     if (!cand.fits) {
       cand.why_not = "peak " + mib(w.peak) + " over " + mib(usable_) + " (the cap less its headroom)";
     }
-    found_.push_back({std::move(w), cand, &sc, m, by, split, fused, offload_costs_for(in), stable});
+    found_.push_back(
+        {std::move(w), cand, &sc, m, by, split, fused, offload_costs_for(in), stable, shares});
   }
 
   PipelinePlan plan_of(const PlanFound& f) const {
@@ -368,6 +459,10 @@ class PipelinePlanner {
     if (f.weighed.moves) plan.store = options_.store();
     plan.offload_costs = f.copies;
     plan.fused_step = f.fused;
+    plan.optimizer_shares = f.state_shares;
+    if (std::any_of(f.state_shares.begin(), f.state_shares.end(), [](double s) { return s > 0; })) {
+      plan.optimizer_store = options_.optimizer_store();
+    }
     plan.optimizer = options_.optimizer_name();
     plan.replicas = options_.replicas();
     plan.shard_optimizer_state = options_.shard_optimizer_state();
@@ -389,6 +484,7 @@ class PipelinePlanner {
   BalanceOptions profiling_;
   std::vector<schedule::ScheduleCandidate> schedules_;
   std::vector<double> layer_steps_;
+  std::vector<double> layer_host_steps_;  // with an optimizer store: each layer's step on the host
   std::vector<bool> fused_choices_;
   std::vector<PlanFound> found_;
   std::vector<std::string> skipped_;  // why a schedule was not weighed (once each)

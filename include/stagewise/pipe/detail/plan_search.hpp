@@ -7,6 +7,7 @@
 // schedule::worker_memory.
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/pipe/detail/state_offload_plan.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/detail/memory_planner.hpp"
 #include "stagewise/schedule/offload.hpp"
@@ -41,6 +42,9 @@ struct SearchInput {
   bool separate_devices = false;
   // The offload pass's costs (none: from the stages' forward times and the store's speed).
   std::optional<schedule::OffloadCosts> copies;
+  // Per stage, the host steps and copies of its offloaded optimizer state (empty: none;
+  // state_offload_plan.hpp); `step_seconds` is then the device's part of the step.
+  std::vector<double> host_seconds;
 };
 
 // `plan` simulated on the stages' profiled costs: an offload or a reload takes its bytes over the
@@ -72,14 +76,15 @@ inline schedule::Simulation simulate_step(const schedule::Plan& plan, const Sear
   return schedule::simulate(plan, cost);
 }
 
-// The step's time: the simulated pipeline's, and without the fused step the optimizer stepping
-// every parameter after it.
-inline double step_seconds(const schedule::Simulation& sim, const SearchInput& in) {
+// The step's time: the simulated pipeline's, without the fused step the optimizer stepping every
+// parameter after it, and the host steps of offloaded optimizer state where they outlast it.
+inline double step_seconds(const schedule::Simulation& sim, const schedule::Plan& plan,
+                           const SearchInput& in) {
   double seconds = sim.makespan();
   if (!in.fused) {
     for (double s : in.step_seconds) seconds += s;
   }
-  return seconds;
+  return with_host_steps(sim, plan, in.host_seconds, in.fused, seconds);
 }
 
 // The cells' bytes for `plan`, from each stage's profile: F's and B's from its whole backward,
@@ -155,7 +160,7 @@ inline schedule::detail::MemoryCandidate search_choices(const SearchInput& in, b
         const auto sim = simulate_step(plan, in);
         w.memory = schedule::worker_memory(plan, cells, in.state, in.fused, sim.timeline);
         for (const auto& m : w.memory) w.peaks.push_back(m.peak);
-        w.time = step_seconds(sim, in);
+        w.time = step_seconds(sim, plan, in);
         return w;
       },
       for_memory, &plans);

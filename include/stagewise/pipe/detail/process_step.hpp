@@ -66,6 +66,7 @@ torch::Tensor with_reduced_fused_step(Replicas& replicas, optim::FusedStep& fuse
   if (attached) fused.detach();
   auto restore = [&](bool done) {
     replicas.step_after_reduction(nullptr);
+    FusedStepAccess::defer_offload_finish(fused, false);
     if (attached) fused.attach();
     if (done) {
       FusedStepAccess::reset_counts(fused);  // a clip's norm pass keeps the norms it measured
@@ -75,8 +76,12 @@ torch::Tensor with_reduced_fused_step(Replicas& replicas, optim::FusedStep& fuse
   };
   torch::Tensor loss;
   try {
+    // Offloaded parameters' host steps all run beside the step, and their updates apply at its
+    // end (as in one process, where finish_step applies them).
+    FusedStepAccess::defer_offload_finish(fused, true);
     replicas.step_after_reduction(&fused);
     loss = run();
+    FusedStepAccess::finish_offload(fused);
   } catch (...) {
     restore(false);
     throw;

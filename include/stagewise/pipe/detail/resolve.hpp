@@ -110,6 +110,28 @@ inline std::optional<runtime::AnyStore> resolve_store(std::optional<runtime::Any
   return store;
 }
 
+// Each stage's share of optimizer state off the device: one for all, or one per stage.
+inline std::vector<double> resolve_optimizer_shares(const PipeOptions& o, const PipeKind& kind,
+                                                    std::size_t stages) {
+  if (!o.optimizer_store()) return {};
+  const auto& shares = o.optimizer_shares();
+  TORCH_CHECK(shares.size() == 1 || shares.size() == stages, kind.who,
+              ": optimizer_offload gives ", shares.size(), " shares for a pipe of ", stages,
+              " stages; give one share per stage, or one for all");
+  return shares.size() == 1 ? std::vector<double>(stages, shares.front()) : shares;
+}
+
+// A store given for activations must keep them (a store of optimizer state only cannot).
+inline void check_offload_store(const PipeOptions& o, const PipeKind& kind) {
+  const auto& budget = o.memory_budget();
+  for (const auto* store : {&o.offload_store(), budget ? &budget->store : nullptr}) {
+    if (store == nullptr || !store->has_value()) continue;
+    TORCH_CHECK((*store)->keeps_activations(), kind.who, ": ", (*store)->describe(),
+                " keeps no activations (it is not a runtime::offload_store); give offload(...) "
+                "and memory_budget(...) a HostStore or a FileStore");
+  }
+}
+
 // The budget's refusals that do not need the model: a typed stage list (nothing to profile),
 // checkpoint modes set by hand, two stores.
 inline void check_memory_budget(const PipeOptions& o, const PipeKind& kind, bool sequential) {
@@ -182,6 +204,7 @@ inline ResolvedPipeOptions resolve_common(const PipeOptions& o, const PipeKind& 
                                           std::size_t stages, bool sequential) {
   check_deferred_batch_norm(o, kind);
   check_memory_budget(o, kind, sequential);
+  check_offload_store(o, kind);
   ResolvedPipeOptions r;
   r.chunks = o.chunks();
   r.checkpoints = resolve_checkpoints(o, stages);
@@ -191,6 +214,8 @@ inline ResolvedPipeOptions resolve_common(const PipeOptions& o, const PipeKind& 
   r.offload_costs = resolve_offload_costs(o, kind, stages);
   r.placement = resolve_placement(o, kind, static_cast<int>(stages));
   if (o.schedule()) r.schedule = *o.schedule();
+  r.optimizer_shares = resolve_optimizer_shares(o, kind, stages);
+  r.optimizer_store = resolve_store(o.optimizer_store(), kind);
   return r;
 }
 
