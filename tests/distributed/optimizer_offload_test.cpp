@@ -183,4 +183,52 @@ TEST_SUITE("distributed optimizer offload") {
       CHECK(r[static_cast<std::size_t>(k)].status == 0);
     }
   }
+
+  TEST_CASE("sharded replicas with their shares of the state off the device equal them without") {
+    const std::string dir = temp_dir("state_sharded");
+    const auto r = run_ranks(
+        4,
+        [dir](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {20s});
+          auto seq = skip_model();
+          auto ref_seq = skip_model();
+          const auto options = sw::PipeOptions().chunks(3).checkpoint("except_last");
+          auto dist = [](const std::string& prefix) {
+            return sw::distributed::Options().data_parallel(2).shard_optimizer_state(true).transport(
+                sw::runtime::C10dOptions().prefix(prefix).timeout(20s));
+          };
+          sw::distributed::Pipe pipe(
+              c, seq, sw::balance{4, 4},
+              sw::PipeOptions(options).optimizer_offload(sw::runtime::HostStore(), 1.0),
+              dist("shardstate"));
+          sw::distributed::Pipe ref(c, ref_seq, sw::balance{4, 4}, options, dist("shardplain"));
+          const auto adam = torch::optim::AdamOptions(1e-2);
+          sw::optim::FusedStep f(pipe->named_parameters(), adam),
+              ref_f(ref->named_parameters(), adam);
+          for (int step = 0; step < 3; ++step) {
+            torch::manual_seed(100 + step);
+            const auto x = torch::randn({12, 6});
+            const auto y = torch::randn({12, 3});
+            auto run = [&](auto& p, sw::optim::FusedStep& fused) {
+              const auto in = p->has_stage(0) ? p->shard(x) : torch::Tensor();
+              const auto target = p->has_stage(1) ? p->shard(y) : torch::Tensor();
+              return p->train_step(in, target, mse, fused, sched::one_f_one_b{});
+            };
+            const auto loss = run(pipe, f);
+            const auto ref_loss = run(ref, ref_f);
+            expect(loss.equal(ref_loss), "step " + std::to_string(step) + ": the losses differ");
+          }
+          pipe->wait_parameters();
+          ref->wait_parameters();
+          const auto diff =
+              sw::testing::first_difference(pipe->named_parameters(), ref->named_parameters());
+          expect(diff.empty(), diff);
+        },
+        120s);
+    for (int k = 0; k < 4; ++k) {
+      CAPTURE(k);
+      CHECK(r[static_cast<std::size_t>(k)].text == "");
+      CHECK(r[static_cast<std::size_t>(k)].status == 0);
+    }
+  }
 }

@@ -417,6 +417,34 @@ TEST_SUITE("sharded data parallel") {
     }
   }
 
+  TEST_CASE("a sharded backward without a sharded optimizer or a fused step is refused") {
+    const auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {10s});
+          auto m = zdp::model(1);
+          sw::distributed::DataParallel dp(
+              c, m, sw::distributed::DataParallelOptions().shard_optimizer_state(true));
+          // A plain optimizer would step this rank's shard and send nothing to the others.
+          torch::optim::SGD plain(m->parameters(), torch::optim::SGDOptions(0.1));
+          const auto d = zdp::data();
+          report(error_of([&] {
+            torch::mse_loss(dp.forward(dp.shard(d[0].x), true), dp.shard(d[0].y)).backward();
+          }));
+        },
+        60s);
+    for (const auto& o : r) {
+      INFO(o.text);
+      CHECK(o.status == 0);
+      CHECK(contains(o.text, "stagewise::distributed::DataParallel: the gradients were reduced "
+                             "to their owners (the optimizer state is sharded), but no optimizer "
+                             "will send the owners' updates to the other ranks, which would go "
+                             "on with the old values: step with distributed::Sharded<Optimizer> "
+                             "(built before the first backward; its step() sends them) or a "
+                             "fused step, not a plain LibTorch optimizer"));
+    }
+  }
+
   TEST_CASE("a sharded optimizer saves its shard and resumes bit for bit; bad saves are named") {
     const char* tmp = std::getenv("TEST_TMPDIR");
     const auto dir =

@@ -335,4 +335,35 @@ TEST_SUITE("distributed pipe x data parallel, sharded saves") {
                      "an unsharded optimizer's; nothing was loaded"));
     }
   }
+
+  TEST_CASE("a sharded step without a sharded optimizer or a fused step is refused") {
+    const auto r = run_ranks(
+        2,
+        [](int) {
+          auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {10s});
+          torch::manual_seed(3);
+          const auto x = torch::randn({zsave::kRows, 6}), y = torch::randn({zsave::kRows, 3});
+          auto mse = [](const torch::Tensor& o, const torch::Tensor& t) {
+            return torch::mse_loss(o, t);
+          };
+          // One stage on 2 replicas: each owns some of the parameters.
+          sw::distributed::Pipe pipe(
+              c, zsave::model(1, false), sw::balance{7}, sw::PipeOptions().chunks(2),
+              sw::distributed::Options().data_parallel(2).shard_optimizer_state(true).timeout(10s));
+          // A plain optimizer would step this replica's shard and send nothing.
+          torch::optim::Adam adam(pipe->parameters(), torch::optim::AdamOptions(1e-2));
+          report(error_of([&] { pipe->train_step(pipe->shard(x), pipe->shard(y), mse); }));
+        },
+        60s);
+    for (int k = 0; k < 2; ++k) {
+      const auto& text = r[static_cast<std::size_t>(k)].text;
+      INFO(text);
+      CHECK(text.find("the gradients were reduced to their owners (the optimizer state is "
+                      "sharded), but no optimizer will send the owners' updates to the other "
+                      "ranks, which would go on with the old values: step with "
+                      "distributed::Sharded<Optimizer> (built before the first backward; its "
+                      "step() sends them) or a fused step, not a plain LibTorch optimizer") !=
+            std::string::npos);
+    }
+  }
 }

@@ -77,8 +77,9 @@ torch::Tensor with_reduced_fused_step(Replicas& replicas, optim::FusedStep& fuse
   torch::Tensor loss;
   try {
     // Offloaded parameters' host steps all run beside the step, and their updates apply at its
-    // end (as in one process, where finish_step applies them).
-    FusedStepAccess::defer_offload_finish(fused, true);
+    // end (as in one process, where finish_step applies them); with sharded optimizer state each
+    // owner's updates apply as its bucket is stepped, for the owner sends them right after.
+    FusedStepAccess::defer_offload_finish(fused, !replicas.sharded());
     replicas.step_after_reduction(&fused);
     loss = run();
     FusedStepAccess::finish_offload(fused);

@@ -209,6 +209,7 @@ class DataParallel {
       s.owned.push_back(p.value().requires_grad() && reducer_->owns(k) ? 1 : 0);
       if (p.value().requires_grad()) ++k;
     }
+    s.attach_sender = [this] { reducer_->attach_sender(); };
     s.send_updated = [this] {
       reducer_->gather_parameters();
       reducer_->wait_parameters();  // every rank has them when the step returns

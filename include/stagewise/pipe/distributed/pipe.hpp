@@ -138,6 +138,7 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
       s.owned.push_back(p.value().requires_grad() && replicas_.owns(p.value()) ? 1 : 0);
     }
     s.send_updated = [this] { replicas_.send_updated(); };
+    s.attach_sender = [this] { replicas_.attach_sender(); };
     s.sum_found_inf = found_inf_reduction();
     s.norms = [this, params = s.parameters](const std::vector<torch::Tensor>& mine, double max_norm,
                                             double norm_type) {

@@ -42,6 +42,9 @@ struct ShardedParameters {
   /// Sends the owned parameters' new values to every replica (after the owners stepped them);
   /// every replica calls it at the same point.
   std::function<void()> send_updated;
+  /// Tells the replicas a sharded optimizer will send the owners' updates after its steps
+  /// (without one, a reduction is refused: no update would reach the others).
+  std::function<void()> attach_sender;
   /// Every replica's (and, in a pipe, every rank's) sum of a one-element inf/NaN count.
   std::function<torch::Tensor(const torch::Tensor&)> sum_found_inf;
   /// Given this rank's gradient norms of `parameters` (`mine[i]`, undefined where it has no
@@ -84,6 +87,7 @@ class Sharded : public Optimizer, public optim::JobWideChecks, public optim::Par
     TORCH_CHECK(static_cast<bool>(shards_.send_updated), shards_.who,
                 ": the optimizer state is not sharded; build it with shard_optimizer_state(true), "
                 "or use the unsharded optimizer");
+    if (shards_.attach_sender) shards_.attach_sender();
   }
   /// Over a `DataParallel`'s or a 2-D pipe's shard (anything with `sharded_parameters()`).
   template <class Source, class Options>

@@ -180,6 +180,14 @@ class GradientReducer {
     return state_->params.at(i).owner;
   }
 
+  /// Sharded: an optimizer that sends the owners' updates after its step is attached
+  /// (`distributed::Sharded` does this); a reduction with neither it nor `set_after_reduce`
+  /// (a fused step) is an error naming the fix, for no update would reach the other ranks.
+  void attach_sender() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->sender_attached = true;
+  }
+
   /// Sharded: starts sending every owner's parameters to every rank (after the owners stepped
   /// them), bucket by bucket and owner by owner; every rank calls it at the same point. The
   /// parameters must not be read before `wait_parameters` returns.

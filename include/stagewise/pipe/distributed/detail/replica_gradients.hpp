@@ -173,6 +173,13 @@ class ReplicaGradients {
     return it != mine.end() && it->second;
   }
 
+  /// Sharded: a sharded optimizer (`distributed::Sharded`) will send the owners' updates.
+  void attach_sender() {
+    for (auto& r : reducers_) {
+      if (r && r->sharded()) r->attach_sender();
+    }
+  }
+
   /// Sharded: starts sending the owned parameters of every stage here to the other replicas.
   void send_updated() {
     for (auto& r : reducers_) {

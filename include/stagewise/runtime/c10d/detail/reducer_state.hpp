@@ -73,6 +73,10 @@ struct ReducerState {
   // Sharded only:
   std::vector<std::string> taken;  // got a gradient here that another hook freed before launch
   ParameterGather gather;          // the owners' updated parameters on their way
+  // Sharded: an optimizer that sends the owners' updates after its step is attached
+  // (distributed::Sharded); without it (or a fused step's after_reduce) no update would reach
+  // the other ranks.
+  bool sender_attached = false;
   std::function<bool()> gather_after_reduce;  // true: each bucket's owned parameters are sent
                                               // once after_reduce stepped them
   bool wait_gathers = false;  // the reduction waits for what it sent before returning
@@ -394,6 +398,12 @@ struct ReducerState {
       }
     }
     if (wait_gathers) gather.wait(await);
+    TORCH_CHECK(!sharded() || after_reduce || sender_attached, options.who,
+                ": the gradients were reduced to their owners (the optimizer state is sharded), "
+                "but no optimizer will send the owners' updates to the other ranks, which would "
+                "go on with the old values: step with distributed::Sharded<Optimizer> (built "
+                "before the first backward; its step() sends them) or a fused step, not a plain "
+                "LibTorch optimizer");
   }
 };
 
