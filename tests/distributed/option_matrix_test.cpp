@@ -94,6 +94,7 @@ struct Probe {
   sched::any_schedule schedule{"gpipe", sched::gpipe{}};
   bool options_schedule = false;  // train_step given no schedule: the options' runs
   bool fused = false;             // train_step given a fused Adam step
+  bool sharded = false;           // a distributed::Sharded optimizer built before the step
   std::string refusal;                                // when refused
   std::function<std::string(const Observed&)> check;  // "" when it took effect
 };
@@ -239,6 +240,7 @@ Probe probe(const std::string& option, Kind kind) {
     p.check = [](const Observed& o) { return count_is(o, 'B', [](int) { return 4; }); };
   } else if (option == "shard_optimizer_state" || option == "reduce_scatter") {
     p.dist.shard_optimizer_state(true);
+    p.sharded = true;
     if (option == "reduce_scatter") p.dist.reduce_scatter(sw::runtime::ReduceScatter::all_to_all);
     p.refusal =
         "Options().shard_optimizer_state(true) shards each stage's optimizer state over "
@@ -287,6 +289,11 @@ std::size_t step(P& pipe, const Probe& p, const torch::Tensor& x, const torch::T
     std::size_t held = 0;
     for (std::size_t i = 0; i < fused.size(); ++i) held += fused.offloaded(i);
     return held;
+  }
+  // A sharded pipe refuses a reduction that no optimizer will send on: build one (not stepped).
+  std::optional<sw::distributed::Sharded<torch::optim::SGD>> sharded;
+  if constexpr (requires { pipe->sharded_parameters(); }) {
+    if (p.sharded) sharded.emplace(pipe, torch::optim::SGDOptions(0.1));
   }
   if (p.options_schedule) {
     pipe->train_step(x, y, mse, &t);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,10 @@ void train(int rank, bool unused, bool shard = false) {
                                  .shard_optimizer_state(shard)
                                  .timeout(20s));
   gate_open() = pipe->replica() == 0;
+  // A sharded pipe's gradients go to their owners, whose updates a distributed::Sharded optimizer
+  // sends (a reduction without one is refused); built here, not stepped: the test reads gradients.
+  std::optional<sw::distributed::Sharded<torch::optim::SGD>> sharded;
+  if (shard) sharded.emplace(pipe, torch::optim::SGDOptions(0.1));
   const auto loss =
       pipe->train_step(pipe->shard(x), pipe->shard(y), mse, sw::schedule::one_f_one_b{});
   TORCH_CHECK(torch::allclose(loss, want.detach(), 1e-6, 1e-7), "rank ", rank, ": loss ",
