@@ -33,6 +33,7 @@
 #include "stagewise/pipe/placement.hpp"
 #include "stagewise/pipe/resolved_options.hpp"
 #include "stagewise/pipe/save_info.hpp"
+#include "stagewise/plan/link_speed.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/fan_out.hpp"
 #include "stagewise/runtime/file_store.hpp"
