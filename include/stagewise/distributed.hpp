@@ -4,6 +4,7 @@
 // (Debian: libgloo-dev) and -DUSE_C10D_GLOO; in Bazel depend on //:distributed.
 
 #include "stagewise/pipe/distributed/data_parallel.hpp"
+#include "stagewise/pipe/distributed/measure_link.hpp"
 #include "stagewise/pipe/distributed/options.hpp"
 #include "stagewise/pipe/distributed/pipe.hpp"
 #include "stagewise/pipe/distributed/sharded.hpp"

@@ -37,6 +37,7 @@
 #include "stagewise/pipe/plan_pipeline.hpp"
 #include "stagewise/pipe/resolved_options.hpp"
 #include "stagewise/pipe/save_info.hpp"
+#include "stagewise/plan/link_speed.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/fan_out.hpp"
 #include "stagewise/runtime/file_store.hpp"
