@@ -7,7 +7,7 @@
 #include "stagewise/pipe/fused_stepper.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
-#include "stagewise/pipe/pipeline_plan.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/runtime/clock_executor.hpp"
 #include "stagewise/runtime/mailbox_transport.hpp"
 #include "stagewise/runtime/stage_runtime.hpp"

@@ -2,9 +2,9 @@
 // offloads from profiled sizes, prints the plan, trains as the same pipe configured by hand, and
 // refuses a budget nothing fits at construction.
 #include "stagewise/pipe.hpp"
+#include "stagewise/plan/memory_profile.hpp"
 #include "stagewise/runtime/host_store.hpp"
 #include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/stage/memory_profile.hpp"
 
 #include <torch/torch.h>
 

@@ -1,6 +1,6 @@
 // plan_memory: the fastest checkpoint mode and offload choice whose predicted peak fits a budget,
 // and the refusal naming the smallest budget that would.
-#include "stagewise/schedule/memory_plan.hpp"
+#include "stagewise/plan/memory_plan.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"

@@ -3,9 +3,9 @@
 // optimizer state (ZeRO-1) keeps 1/d of the state (at most, plus the largest tensor); sharded
 // gradients (ZeRO-2) keep 1/d of the gradients plus what is in flight.
 
+#include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/schedule/one_f_one_b.hpp"
 #include "stagewise/schedule/plan.hpp"
-#include "stagewise/schedule/worker_memory.hpp"
 
 #include "tests/support/errors.hpp"
 

@@ -17,7 +17,7 @@ grep -q '^check_layers: 0 problems in [0-9]* headers$' <<<"$out" || fail "unexpe
 bad=$(mktemp -d)
 trap 'rm -rf "$bad"' EXIT
 inc=$bad/include/stagewise
-mkdir -p "$inc/core/detail" "$inc/runtime/detail" "$inc/skip" "$inc/misc"
+mkdir -p "$inc/core/detail" "$inc/runtime/detail" "$inc/skip" "$inc/misc" "$inc/plan/detail"
 # core includes runtime: a layer above its own.
 printf '#pragma once\n#include "stagewise/runtime/cell.hpp"\nnamespace stagewise {}\n' >"$inc/core/a.hpp"
 printf '#pragma once\n#include "stagewise/core/a.hpp"\nnamespace stagewise::runtime {}\n' \
@@ -27,6 +27,11 @@ printf '#pragma once\nnamespace stagewise::detail {}  // namespace stagewise::de
   >"$inc/runtime/detail/wrong.hpp"
 printf '#pragma once\nnamespace stagewise::runtime::detail {\n}  // namespace stagewise::runtime::detail\n' \
   >"$inc/runtime/detail/right.hpp"
+# plan/detail/ may also hold the memory model's stagewise::schedule::detail, but no other.
+printf '#pragma once\nnamespace stagewise::schedule::detail {\n}  // namespace stagewise::schedule::detail\n' \
+  >"$inc/plan/detail/model.hpp"
+printf '#pragma once\nnamespace stagewise::runtime::detail {\n}  // namespace stagewise::runtime::detail\n' \
+  >"$inc/plan/detail/wrong.hpp"
 # A public header holding only detail code.
 printf '#pragma once\nnamespace stagewise::detail {\n}  // namespace stagewise::detail\n' \
   >"$inc/skip/only_detail.hpp"
@@ -51,6 +56,7 @@ expect() {
 expect "core/a.hpp (layer core) includes stagewise/runtime/cell.hpp (layer runtime), a higher one"
 expect "include cycle: core/a.hpp -> runtime/cell.hpp -> core/a.hpp"
 expect "runtime/detail/wrong.hpp: private header opens namespace stagewise::detail; its folder says stagewise::runtime::detail"
+expect "plan/detail/wrong.hpp: private header opens namespace stagewise::runtime::detail; its folder says stagewise::detail"
 expect "skip/only_detail.hpp: holds only detail code; it belongs in a detail/ folder"
 expect "misc/m.hpp: not in a layer folder"
 expect "skip/b.hpp: includes stagewise/skip/gone.hpp, which does not exist"
@@ -60,6 +66,7 @@ expect "skip/only_detail.hpp: public, but stagewise.hpp does not include it"
 expect "misc/m.hpp: public, but stagewise.hpp does not include it"
 expect "stagewise.hpp reaches runtime/c10d/t.hpp, a header of the distributed form; include it from distributed.hpp only"
 grep -q "right.hpp: private" <<<"$out" && fail "a private header in its folder's namespace was reported"
+grep -q "model.hpp: private" <<<"$out" && fail "plan/detail's memory model namespace was reported"
 grep -q "cell.hpp: public" <<<"$out" && fail "a header the umbrella reaches through another was reported"
-expect "check_layers: 11 problems in 10 headers"
+expect "check_layers: 12 problems in 12 headers"
 echo "check_layers_test: passed"

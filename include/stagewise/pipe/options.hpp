@@ -2,6 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/offload.hpp"
@@ -10,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -222,5 +224,22 @@ class PipeOptions {
   std::optional<runtime::AnyStore> optimizer_store_;
   std::vector<double> optimizer_shares_;
 };
+
+/// The options that build the pipe `plan` describes (`PipelinePlan::options`, declared with the
+/// plan in plan/pipeline_plan.hpp, a layer below `PipeOptions`).
+inline PipeOptions PipelinePlan::options() const {
+  auto o = PipeOptions().chunks(micro_batches).checkpoint(checkpoints).schedule(schedule);
+  if (store && std::find(offload_stages.begin(), offload_stages.end(), true) !=
+                   offload_stages.end()) {
+    schedule::OffloadCosts costs = offload_costs;
+    costs.stages = offload_stages;
+    o.offload(*store, costs);
+  }
+  if (optimizer_store && std::any_of(optimizer_shares.begin(), optimizer_shares.end(),
+                                     [](double s) { return s > 0; })) {
+    o.optimizer_offload(*optimizer_store, optimizer_shares);
+  }
+  return o;
+}
 
 }  // namespace stagewise

@@ -1,10 +1,10 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/plan/memory_plan.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/gpipe.hpp"
-#include "stagewise/schedule/memory_plan.hpp"
 #include "stagewise/schedule/offload.hpp"
 
 #include <torch/types.h>

@@ -10,9 +10,9 @@
 #include "stagewise/nn/convert_deferred_batch_norm.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/resolved_options.hpp"
-#include "stagewise/pipe/detail/plan_search.hpp"
-#include "stagewise/schedule/memory_plan.hpp"
-#include "stagewise/stage/stage_costs.hpp"
+#include "stagewise/plan/detail/plan_search.hpp"
+#include "stagewise/plan/memory_plan.hpp"
+#include "stagewise/plan/stage_costs.hpp"
 #include "stagewise/stage/partition.hpp"
 
 #include <c10/util/Exception.h>

@@ -7,7 +7,7 @@
 #include "stagewise/pipe/distributed/sharded.hpp"
 #include "stagewise/pipe/options.hpp"
 #include "stagewise/pipe/pipe_over.hpp"
-#include "stagewise/pipe/pipeline_plan.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/runtime/c10d/env.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/runtime/c10d/startup.hpp"

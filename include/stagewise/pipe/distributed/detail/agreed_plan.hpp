@@ -6,7 +6,7 @@
 // checkpoint mode and offload) at start-up, and every rank takes rank 0's.
 
 #include "stagewise/core/checkpoint_mode.hpp"
-#include "stagewise/pipe/pipeline_plan.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/runtime/c10d/gather_text.hpp"
 #include "stagewise/runtime/c10d/group.hpp"
 #include "stagewise/schedule/builtins.hpp"

@@ -1,9 +1,9 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
-#include "stagewise/pipe/detail/pipeline_planner.hpp"
-#include "stagewise/pipe/pipeline_plan.hpp"
-#include "stagewise/pipe/plan_options.hpp"
+#include "stagewise/plan/detail/pipeline_planner.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
+#include "stagewise/plan/plan_options.hpp"
 #include "stagewise/runtime/cell_runs.hpp"
 
 #include <torch/nn/modules/container/sequential.h>

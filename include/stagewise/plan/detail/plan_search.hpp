@@ -2,20 +2,20 @@
 
 // plan_pipeline's search for one (schedule, micro-batch count, split, fused or not): each stage's
 // checkpoint mode and offload choice, the fastest (or smallest) whose predicted peak fits the cap
-// on every worker, by the search schedule::plan_memory runs (schedule/detail/memory_planner.hpp),
-// weighing plans on profiled costs (stage/stage_costs.hpp), the simulator's clock and
+// on every worker, by the search schedule::plan_memory runs (plan/detail/memory_planner.hpp),
+// weighing plans on profiled costs (plan/stage_costs.hpp), the simulator's clock and
 // schedule::worker_memory.
 
 #include "stagewise/core/checkpoint_mode.hpp"
-#include "stagewise/pipe/detail/state_offload_plan.hpp"
+#include "stagewise/plan/detail/memory_planner.hpp"
+#include "stagewise/plan/detail/state_offload_plan.hpp"
+#include "stagewise/plan/stage_costs.hpp"
+#include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
-#include "stagewise/schedule/detail/memory_planner.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/plan_cache.hpp"
 #include "stagewise/schedule/simulate.hpp"
-#include "stagewise/schedule/worker_memory.hpp"
-#include "stagewise/stage/stage_costs.hpp"
 
 #include <algorithm>
 #include <cstddef>

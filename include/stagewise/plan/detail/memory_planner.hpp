@@ -9,11 +9,11 @@
 // for memory, the smallest.
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/plan_cache.hpp"
-#include "stagewise/schedule/worker_memory.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -1,10 +1,10 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_mode.hpp"
+#include "stagewise/plan/detail/memory_planner.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/offload.hpp"
 #include "stagewise/schedule/plan.hpp"
-#include "stagewise/schedule/detail/memory_planner.hpp"
 #include "stagewise/schedule/simulate.hpp"
 
 #include <c10/util/Exception.h>

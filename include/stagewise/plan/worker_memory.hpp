@@ -1,7 +1,7 @@
 #pragma once
 
+#include "stagewise/plan/detail/shared_bytes.hpp"
 #include "stagewise/schedule/action.hpp"
-#include "stagewise/schedule/detail/shared_bytes.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/timeline.hpp"

@@ -9,10 +9,10 @@
 // parameters once its last B or W has handed them over, beside the rest of the pipeline.
 
 #include "stagewise/optim/state_offload.hpp"
+#include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/schedule/action.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
-#include "stagewise/schedule/worker_memory.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -1,6 +1,6 @@
 #pragma once
 
-// plan_pipeline's work (pipe/plan_pipeline.hpp): the candidates it weighs (micro-batch counts,
+// plan_pipeline's work (plan/plan_pipeline.hpp): the candidates it weighs (micro-batch counts,
 // schedules, splits, the fused step or not), each stage profiled alone (profile_stages), each
 // candidate's checkpoint modes and offloads searched (plan_search.hpp), and the plan assembled
 // from the one chosen, with every candidate as a plan of its own.
@@ -8,14 +8,14 @@
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/error_context.hpp"
 #include "stagewise/optim/shard_owners.hpp"
-#include "stagewise/pipe/detail/plan_search.hpp"
-#include "stagewise/pipe/pipeline_plan.hpp"
-#include "stagewise/pipe/plan_options.hpp"
+#include "stagewise/plan/detail/plan_search.hpp"
+#include "stagewise/plan/pipeline_plan.hpp"
+#include "stagewise/plan/plan_options.hpp"
+#include "stagewise/plan/stage_costs.hpp"
 #include "stagewise/runtime/cell_runs.hpp"
 #include "stagewise/schedule/choose.hpp"
 #include "stagewise/stage/block_partition.hpp"
 #include "stagewise/stage/profile.hpp"
-#include "stagewise/stage/stage_costs.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/sequential.h>

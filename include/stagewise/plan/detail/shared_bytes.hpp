@@ -7,8 +7,8 @@
 // first action of that worker which, by the plan's messages, starts after every cell holding it
 // let it go (detail/causal_order.hpp): an upper bound, whatever the workers' speeds.
 
+#include "stagewise/plan/detail/causal_order.hpp"
 #include "stagewise/schedule/action.hpp"
-#include "stagewise/schedule/detail/causal_order.hpp"
 #include "stagewise/schedule/plan.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/schedule/timeline.hpp"

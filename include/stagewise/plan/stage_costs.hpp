@@ -2,10 +2,10 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/rng.hpp"
+#include "stagewise/plan/detail/device_bytes.hpp"
 #include "stagewise/runtime/split_backward.hpp"
 #include "stagewise/schedule/simulate.hpp"
 #include "stagewise/skip/tracker.hpp"
-#include "stagewise/stage/detail/device_bytes.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/profile.hpp"
 

@@ -1,13 +1,12 @@
 #pragma once
 
 #include "stagewise/core/checkpoint_mode.hpp"
-#include "stagewise/pipe/detail/state_offload_plan.hpp"
-#include "stagewise/pipe/options.hpp"
+#include "stagewise/plan/detail/state_offload_plan.hpp"
+#include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 #include "stagewise/schedule/gpipe.hpp"
 #include "stagewise/schedule/offload.hpp"
-#include "stagewise/schedule/worker_memory.hpp"
 #include "stagewise/stage/partition.hpp"
 
 #include <algorithm>
@@ -21,6 +20,7 @@
 
 namespace stagewise {
 
+class PipeOptions;
 struct PipelinePlan;
 
 /// One configuration `plan_pipeline` weighed: what it is, its predicted step time and worst
@@ -77,21 +77,9 @@ struct PipelinePlan {
   std::vector<PlanCandidate> candidates;
 
   /// The options that build this pipe: chunks, checkpoint modes, offload and the schedule
-  /// `train_step` runs (add `devices(...)` to place the stages).
-  PipeOptions options() const {
-    auto o = PipeOptions().chunks(micro_batches).checkpoint(checkpoints).schedule(schedule);
-    if (store && std::find(offload_stages.begin(), offload_stages.end(), true) !=
-                     offload_stages.end()) {
-      schedule::OffloadCosts costs = offload_costs;
-      costs.stages = offload_stages;
-      o.offload(*store, costs);
-    }
-    if (optimizer_store && std::any_of(optimizer_shares.begin(), optimizer_shares.end(),
-                                       [](double s) { return s > 0; })) {
-      o.optimizer_offload(*optimizer_store, optimizer_shares);
-    }
-    return o;
-  }
+  /// `train_step` runs (add `devices(...)` to place the stages). Defined with `PipeOptions` in
+  /// pipe/options.hpp (the pipe layer, above this one).
+  PipeOptions options() const;
 
   /// The worst worker's predicted peak, bytes.
   double peak() const {

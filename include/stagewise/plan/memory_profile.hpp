@@ -1,7 +1,7 @@
 #pragma once
 
 #include "stagewise/core/batch.hpp"
-#include "stagewise/schedule/memory_plan.hpp"
+#include "stagewise/plan/memory_plan.hpp"
 #include "stagewise/stage/partition.hpp"
 #include "stagewise/stage/profile.hpp"
 
