@@ -79,9 +79,8 @@ struct WorkerMemory {
 ///   (parameters are owned whole, balanced by size), and the step temporaries of its shard; the
 ///   gradients whole until the reduction, whose copies replace them bucket by bucket (a bucket's
 ///   flat copy and its owned part's copy of the sum on top, as the bucket leaves);
-/// - sharded gradients too: its shard of the gradients, plus two buckets in flight, the
-///   gradient being computed and the owned part's copy of the sum as it arrives (at most what
-///   the sharded optimizer state alone holds).
+/// - sharded gradients too: its shard of the gradients, plus two buckets in flight and the
+///   gradient being computed (at most what the sharded optimizer state alone holds).
 ///   auto mine = stagewise::schedule::replica_state({.params = 8e6, .grads = 8e6,
 ///                                                   .optimizer = 16e6, .step_working = 2e6},
 ///                                                  {.replicas = 2, .shard_gradients = true});
@@ -105,7 +104,7 @@ inline StageState replica_state(const StageState& whole, const StageReplicas& r)
   out.grads = whole.grads + bucket * (1 + owned);
   if (r.shard_gradients) {
     const double in_flight = 2 * r.bucket_bytes + r.largest_tensor;
-    out.grads = std::min(out.grads, whole.grads * owned + in_flight + bucket * owned);
+    out.grads = std::min(out.grads, whole.grads * owned + in_flight);
   }
   return out;
 }
