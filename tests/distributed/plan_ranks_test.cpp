@@ -179,7 +179,8 @@ void promise(int world) {
       [](int) {
         auto c = sw::runtime::connect(sw::runtime::rendezvous_env(), {30s});
         const auto link = sw::distributed::measure_link(
-            c, sw::distributed::MeasureLinkOptions{.bytes = {16 << 10, 256 << 10}, .rounds = 3});
+            c, sw::distributed::MeasureLinkOptions{
+                   .bytes = {16 << 10, 256 << 10}, .rounds = 3, .device = torch::kCPU});
         std::string out;
         for (int which = 0; which < 3; ++which) {
           for (double scale : {1.25, 4.0}) out += check(c, which, scale, link);

@@ -118,7 +118,7 @@ TEST_SUITE("plan_pipeline for ranks") {
           "with workers(K).replicas(d)");
     CHECK(error_of([] { sw::PlanOptions().ranks(0); }) ==
           "stagewise::PlanOptions: ranks is 0; give the job's ranks (1 or more)");
-    CHECK(error_of([] { sw::PlanOptions().link(sw::LinkSpeed{.bytes_per_second = 0}); }) ==
+    CHECK(error_of([] { sw::PlanOptions().link(sw::LinkSpeed{.latency_seconds = 0, .bytes_per_second = 0}); }) ==
           "stagewise::PlanOptions::link: the link's speed is 0 bytes per second; give a positive "
           "speed (e.g. 10e9), or measure it with distributed::measure_link");
     const auto plan = sw::plan_pipeline(model, sw::Batch(x), for_ranks(2).link(sw::LinkSpeed{}));

@@ -368,7 +368,8 @@ class PipelinePlanner {
                         .shard_optimizer_state = options_.shard_optimizer_state(),
                         .shard_gradients = options_.shard_gradients(),
                         .bucket_bytes = static_cast<double>(options_.bucket_bytes()),
-                        .link = options_.link().value_or(LinkSpeed{})};
+                        .link = options_.link().value_or(LinkSpeed{}),
+                        .grad_bytes = {}};
       for (const auto& c : costs) {
         x.grad_bytes.push_back(c.param_bytes);
         // One message each way between neighbouring stages' ranks: a micro-batch's activation

@@ -91,9 +91,10 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
   std::vector<PipelinePlan> plans;
   std::vector<PlanFactorisation> weighed;
   for (const auto& s : shapes) {
-    PlanFactorisation f{.stage_ranks = s.stage_ranks,
-                        .replicas = s.replicas,
-                        .sharding = PipelinePlan::sharding_name(s.shard_state, s.shard_grads)};
+    PlanFactorisation f;
+    f.stage_ranks = s.stage_ranks;
+    f.replicas = s.replicas;
+    f.sharding = PipelinePlan::sharding_name(s.shard_state, s.shard_grads);
     if (rows % s.replicas != 0) {
       f.why_not = "not weighed: the batch's " + std::to_string(rows) + " rows do not split into " +
                   std::to_string(s.replicas) + " replicas";
