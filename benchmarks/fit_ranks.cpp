@@ -17,6 +17,7 @@
 
 #include <torch/torch.h>
 
+#include "benchmarks/common/conditions.hpp"
 #include "benchmarks/common/flags.hpp"
 #include "benchmarks/common/loopback.hpp"
 #include "benchmarks/common/stats.hpp"
@@ -28,9 +29,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -133,19 +134,14 @@ void barrier(const sw::runtime::Connection& job) {
   job.collectives.all_reduce_sum(one)->wait();
 }
 
-std::string load_average() {
-  std::ifstream in("/proc/loadavg");
-  std::string one;
-  in >> one;
-  return one;
-}
-
 double mib(double bytes) {
   return bytes / (1 << 20);
 }
 
 int rank_main(int rank, int world, int rounds, int steps) {
   torch::set_num_threads(1);
+  std::optional<sw::bench::Conditions> conditions;
+  if (rank == 0) conditions.emplace("fit_ranks");  // the header line: date, load, BLAS, threads
   auto& meter = sw::MemoryMeter::install();
   auto job = sw::runtime::connect(sw::runtime::rendezvous_env(), {std::chrono::seconds(60)});
   const auto link = sw::distributed::measure_link(job);
@@ -234,10 +230,9 @@ int rank_main(int rank, int world, int rounds, int steps) {
       "fit_ranks: %d ranks (forked, Gloo on loopback, 1 intra-op thread each), %d x "
       "[Linear(%d,%d), ReLU], batch %d rows, Adam; link measured %s; cap %.2f MiB per "
       "rank (1.1 x the most any factorisation's smallest plan needs); planning took %.2f s on rank "
-      "0; %d rounds "
-      "of %d steps; load average %s\n\n",
+      "0; %d rounds of %d steps\n\n",
       world, kLayers, kWidth, kWidth, kRows, link.to_string().c_str(), mib(cap), planning, rounds,
-      steps, load_average().c_str());
+      steps);
   std::printf("%s\n", plan.report().c_str());
   std::printf("%-7s %-36s %-15s %3s %-7s %10s %28s %10s %10s %8s\n", "", "factorisation (sharding)",
               "schedule", "M", "step", "predicted", "measured ms [min, max]", "pred. MiB",
@@ -263,8 +258,10 @@ int rank_main(int rank, int world, int rounds, int steps) {
                 v.plan.fused_step ? "fused" : "unfused", v.plan.step_seconds * 1e3, measured,
                 mib(v.plan.peak()), mib(v.peak), mib(cap));
   }
+  std::printf("\n");
+  conditions->print_end();
   std::printf(
-      "\nfit_ranks choice_vs_best=%s predicted_vs_measured=%s cap_respected=%d\n",
+      "fit_ranks choice_vs_best=%s predicted_vs_measured=%s cap_respected=%d\n",
       sw::bench::fixed3(chosen_measured > 0 ? fastest / chosen_measured : 0).c_str(),
       sw::bench::fixed3(chosen_measured > 0 ? chosen_predicted / chosen_measured : 0).c_str(),
       within ? 1 : 0);

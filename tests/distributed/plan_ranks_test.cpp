@@ -205,6 +205,31 @@ TEST_SUITE("distributed::Pipe(model, plan) for ranks") {
     rplan::promise(4);
   }
 
+  TEST_CASE("the plan every rank agrees on: what a step depends on, interleaved schedules too") {
+    auto plan = sw::plan_pipeline(rplan::model(0), sw::Batch(torch::randn({32, 256})),
+                                  rplan::options(2, sw::LinkSpeed{})
+                                      .schedules({"interleaved_one_f_one_b{2}"})
+                                      .micro_batches({4})
+                                      .memory_per_worker(1LL << 30));
+    CHECK(plan.schedule.name() == "interleaved_one_f_one_b{2}");
+    plan.shard_optimizer_state = true;  // as rank 0's may differ from this rank's
+    plan.replicas = 2;
+    plan.workers = 1;
+    plan.optimizer_shares = {0.5, 1.0};
+    const auto text = sw::distributed::detail::plan_text(plan);
+    const auto back = sw::distributed::detail::plan_from_text(sw::PipelinePlan(), text);
+    CHECK(back.schedule.name() == "interleaved_one_f_one_b{2}");
+    CHECK(back.split == plan.split);
+    CHECK(back.micro_batches == 4);
+    CHECK(back.workers == 1);
+    CHECK(back.replicas == 2);
+    CHECK(back.shard_optimizer_state);
+    CHECK(!back.shard_gradients);
+    CHECK(back.ranks == 2);
+    CHECK(back.optimizer_shares == std::vector<double>{0.5, 1.0});
+    CHECK(sw::distributed::detail::plan_text(back) == text);
+  }
+
   TEST_CASE("a plan for 4 ranks on 2 is refused, naming the fix") {
     const auto r = sw::testing::run_ranks(
         2,

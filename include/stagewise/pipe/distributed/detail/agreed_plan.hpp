@@ -46,7 +46,9 @@ inline PipelinePlan plan_from_text(PipelinePlan plan, const std::string& text) {
   int fused = 0;
   in >> name >> plan.stages_per_worker >> plan.micro_batches >> fused >> stages;
   plan.fused_step = fused != 0;
-  plan.schedule = schedule::builtin_schedule(name, plan.stages_per_worker);
+  // "interleaved_one_f_one_b{2}": the built-in's name, its stages per worker apart.
+  plan.schedule =
+      schedule::builtin_schedule(name.substr(0, name.find('{')), plan.stages_per_worker);
   plan.split.assign(stages, 0);
   plan.checkpoints.assign(stages, Checkpoint::never);
   plan.offload_stages.assign(stages, false);
