@@ -173,9 +173,18 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   template <class... T>
   requires(sizeof...(S) == 0 && sizeof...(T) == 0)
       Pipe(const torch::nn::Sequential& seq, const PipelinePlan& plan, T...)
-      : Pipe(seq, plan.split, plan.options()) {}
+      : Pipe(seq, one_process(plan).split, plan.options()) {}
 
  private:
+  // A plan for the ranks of a distributed job (PlanOptions().ranks(N), N > 1) is refused: its
+  // memory and times are counted for one stage's worker per rank and d replicas.
+  static const PipelinePlan& one_process(const PipelinePlan& plan) {
+    TORCH_CHECK(plan.ranks <= 1, "stagewise::Pipe: the plan is for a job of ", plan.ranks,
+                " ranks (", plan.workers, " per pipeline x ", plan.replicas,
+                " replicas); build it on every rank with sw::distributed::Pipe(model, plan), or "
+                "plan one process with PlanOptions().workers(K)");
+    return plan;
+  }
   static std::vector<std::shared_ptr<torch::nn::Module>> modules_of(const stage_list<S...>& list) {
     std::vector<std::shared_ptr<torch::nn::Module>> out;
     for (auto& spec : list.specs()) {

@@ -2,6 +2,7 @@
 
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/plan/detail/state_offload_plan.hpp"
+#include "stagewise/plan/link_speed.hpp"
 #include "stagewise/plan/worker_memory.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
@@ -22,6 +23,21 @@ namespace stagewise {
 
 class PipeOptions;
 struct PipelinePlan;
+
+/// One factorisation of `PlanOptions().ranks(N)` weighed: `stage_ranks` ranks per replica's
+/// pipeline times `replicas`, with its sharding ("none", "optimizer state" for ZeRO-1,
+/// "optimizer state and gradients" for ZeRO-2); its best candidate's predicted step and peak,
+/// whether that fits, and if not (or if it was not weighed), why.
+struct PlanFactorisation {
+  int stage_ranks = 1;
+  int replicas = 1;
+  std::string sharding = "none";
+  double step_seconds = 0;
+  double peak = 0;
+  bool fits = false;
+  std::string why_not;
+  std::string best;  ///< its best candidate, described
+};
 
 /// One configuration `plan_pipeline` weighed: what it is, its predicted step time and worst
 /// worker's peak, whether it fits the cap (if not, why), and the configuration itself as a plan
@@ -70,6 +86,13 @@ struct PipelinePlan {
   /// `optimizer_store` (`PipeOptions().optimizer_offload`).
   std::vector<double> optimizer_shares;
   std::optional<runtime::AnyStore> optimizer_store;
+  /// The job's ranks the plan is for (`PlanOptions().ranks`: `workers` x `replicas`; 0: planned
+  /// for `workers` of one process or replica), and the link its gradient exchange was costed on.
+  /// `distributed::Pipe(model, plan)` builds it on a job of exactly `ranks` ranks.
+  int ranks = 0;
+  std::optional<LinkSpeed> link;
+  /// With `ranks`: every factorisation weighed, fastest first (smallest first for memory).
+  std::vector<PlanFactorisation> factorisations;
   std::int64_t cap = 0;                ///< bytes per worker
   double step_seconds = 0;             ///< predicted
   std::vector<schedule::WorkerMemory> memory;  ///< per worker, predicted
@@ -98,6 +121,13 @@ struct PipelinePlan {
       s << std::fixed << std::setprecision(2) << b / (1 << 20) << " MiB";
       return s.str();
     };
+    if (ranks > 0) {
+      out << "ranks plan: " << ranks << " ranks as " << workers << " x " << replicas << " ("
+          << workers << (workers == 1 ? " rank" : " ranks") << " per pipeline, " << replicas
+          << (replicas == 1 ? " replica" : " replicas") << ", sharding: "
+          << sharding_name(shard_optimizer_state, shard_gradients) << "), link "
+          << (link ? link->to_string() : std::string("not needed")) << "\n";
+    }
     out << "pipeline plan: " << schedule.name() << " on " << workers << " workers ("
         << split.size() << " stages, split by " << split_by << ": ";
     for (std::size_t j = 0; j < split.size(); ++j) out << (j ? " " : "") << split[j];
@@ -135,6 +165,7 @@ struct PipelinePlan {
       }
       out << "\n";
     }
+    if (!factorisations.empty()) out << factorisations_report();
     out << "candidates (" << candidates.size() << ", the first "
         << std::min<std::size_t>(candidates.size(), kShown) << " shown):\n";
     for (std::size_t k = 0; k < candidates.size() && k < kShown; ++k) {
@@ -143,6 +174,37 @@ struct PipelinePlan {
           << c.step_seconds * 1e3 << " ms, peak " << mib(c.peak) << ": " << c.description;
       if (!c.fits) out << " - " << c.why_not;
       out << "\n";
+    }
+    return out.str();
+  }
+
+  /// "none", "optimizer state" (ZeRO-1) or "optimizer state and gradients" (ZeRO-2).
+  static std::string sharding_name(bool state, bool grads) {
+    return grads ? "optimizer state and gradients" : state ? "optimizer state" : "none";
+  }
+
+ private:
+  // The factorisations weighed, in order, each faster one than the chosen with why it was not.
+  std::string factorisations_report() const {
+    std::ostringstream out;
+    out << "factorisations (" << factorisations.size() << "):\n";
+    bool before = true;
+    for (const auto& f : factorisations) {
+      const bool chosen = f.stage_ranks == workers && f.replicas == replicas &&
+                          f.sharding == sharding_name(shard_optimizer_state, shard_gradients);
+      out << "  " << (chosen ? "chosen " : f.fits ? "fits   " : "over   ") << f.stage_ranks << " x "
+          << f.replicas << ", sharding " << f.sharding;
+      if (f.best.empty()) {
+        out << " - " << f.why_not << "\n";
+        continue;
+      }
+      out << ": step " << std::setprecision(4) << f.step_seconds * 1e3 << " ms, peak "
+          << std::fixed << std::setprecision(2) << f.peak / (1 << 20) << " MiB"
+          << std::defaultfloat;
+      out << " (" << f.best << ")";
+      if (before && !chosen) out << " - rejected: " << f.why_not;
+      out << "\n";
+      if (chosen) before = false;
     }
     return out.str();
   }

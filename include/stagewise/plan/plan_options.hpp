@@ -1,5 +1,6 @@
 #pragma once
 
+#include "stagewise/plan/link_speed.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/schedule/any_schedule.hpp"
 
@@ -166,6 +167,30 @@ class PlanOptions {
     bucket_bytes_ = b;
     return *this;
   }
+  /// Plans for `n` ranks of a distributed job (default 0: plan `workers` of one replica): every
+  /// factorisation n = K x d is weighed, K ranks per replica's pipeline and d replicas on
+  /// 1/d of the batch's rows each (a d that does not divide the rows is skipped, said in the
+  /// report), with all that is weighed for K workers (split, schedule, micro-batches, checkpoint
+  /// and offload per stage, the fused step, optimizer state off the device) and, for d > 1, the
+  /// optimizer state unsharded, sharded (ZeRO-1) and with the gradients sharded (ZeRO-2); each
+  /// candidate's step includes the replicas' gradient exchange over `link`, which d > 1 needs.
+  /// The stages count as on separate ranks (`separate_devices`), the cap is per rank. Give the
+  /// global batch; `distributed::Pipe(model, plan)` builds the chosen K x d pipe on the job.
+  /// Overrides `workers`; `replicas` and the sharding setters are refused with it.
+  ///   sw::PlanOptions().ranks(4).memory_per_worker(cap).link(sw::distributed::measure_link(job))
+  PlanOptions& ranks(int n) {
+    TORCH_CHECK(n >= 1, "stagewise::PlanOptions: ranks is ", n, "; give the job's ranks (1 or more)");
+    ranks_ = n;
+    return *this;
+  }
+  /// The speed of the job's links, for the replicas' gradient exchange (`ranks`): given, or
+  /// measured over the job by `distributed::measure_link(job)`.
+  ///   sw::PlanOptions().ranks(4).link(sw::LinkSpeed{.latency_seconds = 50e-6, .bytes_per_second = 2e9})
+  PlanOptions& link(LinkSpeed l) {
+    l.check("stagewise::PlanOptions::link");
+    link_ = l;
+    return *this;
+  }
   /// Fastest first (default) or smallest first.
   PlanOptions& prefer(PlanFor p) {
     prefer_ = p;
@@ -206,6 +231,8 @@ class PlanOptions {
   bool shard_optimizer_state() const { return shard_state_; }
   bool shard_gradients() const { return shard_gradients_; }
   std::int64_t bucket_bytes() const { return bucket_bytes_; }
+  int ranks() const { return ranks_; }
+  const std::optional<LinkSpeed>& link() const { return link_; }
 
  private:
   int workers_ = 2;
@@ -231,6 +258,8 @@ class PlanOptions {
   bool shard_state_ = false;
   bool shard_gradients_ = false;
   std::int64_t bucket_bytes_ = 25LL << 20;
+  int ranks_ = 0;
+  std::optional<LinkSpeed> link_;
 };
 
 }  // namespace stagewise

@@ -2,6 +2,7 @@
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/plan/detail/pipeline_planner.hpp"
+#include "stagewise/plan/detail/rank_factorisations.hpp"
 #include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/plan/plan_options.hpp"
 #include "stagewise/runtime/cell_runs.hpp"
@@ -27,9 +28,16 @@ namespace stagewise {
 ///                                 sw::PlanOptions().workers(4).memory_per_worker(6LL << 30));
 ///   auto pipe = sw::Pipe(model, plan);
 ///   pipe->train_step(x, y, loss_fn);           // the planned schedule
+/// With `PlanOptions().ranks(N)` it plans a distributed job instead: every factorisation of the
+/// N ranks into K ranks per pipeline x d replicas (and their sharding), the replicas' gradient
+/// exchange costed from `link`; build the plan with `distributed::Pipe(model, plan)` on every
+/// rank (see docs/distributed.md, "Plan for the ranks you have").
+///   auto plan = sw::plan_pipeline(model, x, y, loss_fn, sw::PlanOptions().ranks(4)
+///                                     .memory_per_worker(cap).link(sw::distributed::measure_link(job)));
 inline PipelinePlan plan_pipeline(const torch::nn::Sequential& model, const Batch& batch,
                                   const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
                                   const PlanOptions& options) {
+  if (options.ranks() > 0) return detail::plan_for_ranks(model, batch, target, loss_fn, options);
   detail::PipelinePlanner planner(model, batch, target, loss_fn, options);
   for (int m : detail::micro_batch_counts(options, batch[0].size(0))) {
     planner.weigh_micro_batches(m);

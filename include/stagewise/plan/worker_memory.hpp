@@ -77,9 +77,10 @@ struct WorkerMemory {
 /// - unsharded: the gradients and the reducer's bucket copies of them (kept between steps);
 /// - sharded optimizer state: its shard of the state, at most whole / d plus the largest tensor
 ///   (parameters are owned whole, balanced by size), and the step temporaries of its shard; the
-///   gradients whole until the reduction, whose copies replace them bucket by bucket;
+///   gradients whole until the reduction, whose copies replace them bucket by bucket (a bucket's
+///   flat copy and its owned part's copy of the sum on top, as the bucket leaves);
 /// - sharded gradients too: its shard of the gradients, plus two buckets in flight and the
-///   gradient being computed.
+///   gradient being computed (at most what the sharded optimizer state alone holds).
 ///   auto mine = stagewise::schedule::replica_state({.params = 8e6, .grads = 8e6,
 ///                                                   .optimizer = 16e6, .step_working = 2e6},
 ///                                                  {.replicas = 2, .shard_gradients = true});
@@ -98,9 +99,12 @@ inline StageState replica_state(const StageState& whole, const StageReplicas& r)
   const double owned = r.owned_share > 0 ? std::min(1.0, r.owned_share)
                                          : std::min(1.0, 1.0 / d + r.largest_tensor / whole_bytes);
   out.optimizer = whole.optimizer * owned;
+  // A bucket's flat copy while it travels, and its owned part's copy as the sum arrives.
+  const double bucket = std::min(r.bucket_bytes, whole.grads);
+  out.grads = whole.grads + bucket * (1 + owned);
   if (r.shard_gradients) {
     const double in_flight = 2 * r.bucket_bytes + r.largest_tensor;
-    out.grads = std::min(whole.grads, whole.grads * owned + in_flight);
+    out.grads = std::min(out.grads, whole.grads * owned + in_flight);
   }
   return out;
 }

@@ -38,6 +38,8 @@
 
 namespace stagewise::distributed {
 
+class Pipe;
+
 /// The distributed pipeline, behind the `Pipe` holder (used as `pipe->`, like the one-process
 /// `stagewise::Pipe`): its stages live in separate processes (ranks), on one machine or several.
 /// Every rank builds the same torch::nn::Sequential and balance and calls the same `train_step`;
@@ -89,6 +91,10 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
   /// The data-parallel replicas (Options::data_parallel), this rank's replica, and its rank
   /// within the replica.
   int replicas() const { return dist_.data_parallel(); }
+  /// Built from a plan (`Pipe(model, plan)`): the plan every rank runs, rank 0's (a rank's own
+  /// plan may differ where two candidates were close); empty otherwise. A one-process reference
+  /// of the same pipe: `sw::Pipe(model, pipe->plan()->split, pipe->plan()->options())`.
+  const std::optional<PipelinePlan>& plan() const { return plan_; }
   int replica() const { return rank() / workers_; }
   int pipeline_rank() const { return rank() % workers_; }
 
@@ -299,6 +305,8 @@ class PipeImpl : public PipeOverImpl<runtime::C10dTransport, detail::ReplicaGrad
     return p;
   }
 
+  friend class Pipe;
+  std::optional<PipelinePlan> plan_;  // built from a plan: the one every rank agreed on
   runtime::Connection job_;  // every rank of every replica
   Options dist_;
   int workers_ = 1;
@@ -321,11 +329,15 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
        PipeOptions options = {}, Options dist = {})
       : torch::nn::ModuleHolder<PipeImpl>(std::make_shared<PipeImpl>(
             std::move(connection), seq, b, std::move(options), std::move(dist))) {}
-  /// The pipeline `plan` describes (`plan_pipeline` for its number of ranks per replica, with
-  /// a replica's rows): its split, micro-batches, checkpoint modes, offloads, and the schedule
-  /// `train_step` runs, whose placement puts the stages on ranks. Every rank runs rank 0's plan
-  /// (each plans on its own profiles; where two candidates are close, ranks may choose
-  /// differently). Rendezvouses from the environment.
+  /// The pipeline `plan` describes: its split, micro-batches, checkpoint modes, offloads, the
+  /// schedule `train_step` runs (whose placement puts the stages on ranks), and its replicas and
+  /// their sharding (`data_parallel(d)`, `shard_optimizer_state`, `shard_gradients`, taken from
+  /// the plan unless `dist` sets them: then they must be the plan's). A plan for the job's ranks
+  /// (`PlanOptions().ranks(N)`, given the global batch) is built on exactly N ranks as K ranks
+  /// per pipeline x d replicas; a plan for `workers(K)` (with a replica's rows) on K x
+  /// `dist.data_parallel()` ranks. Every rank runs rank 0's plan (each plans on its own
+  /// profiles; where two candidates are close, ranks may choose differently; `plan()` says
+  /// which). Rendezvouses from the environment.
   ///   sw::distributed::Pipe pipe(model, sw::plan_pipeline(model, x, y, loss_fn, options));
   Pipe(const torch::nn::Sequential& seq, const PipelinePlan& plan, Options dist = {})
       : Pipe(runtime::connect(runtime::rendezvous_env(), dist.connect()), seq, plan, dist) {}
@@ -333,11 +345,29 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
   Pipe(runtime::Connection connection, const torch::nn::Sequential& seq, const PipelinePlan& plan,
        Options dist = {})
       : Pipe(connection, seq,
-             detail::agreed_plan(connection, counted_as_built(plan, dist),
-                                 dist.transport().prefix() + "/plan", dist.connect().timeout),
+             detail::agreed_plan(connection, plan, dist.transport().prefix() + "/plan",
+                                 dist.connect().timeout),
              dist, 0) {}
 
  private:
+  // `dist` with the plan's replicas and sharding when it sets none, after checking that a plan
+  // for N ranks runs on N.
+  static Options as_planned(const PipelinePlan& plan, Options dist,
+                            const runtime::Connection& job) {
+    const int world = job.env.world_size;
+    TORCH_CHECK(plan.ranks <= 0 || plan.ranks == world,
+                "stagewise::distributed::Pipe: the plan is for a job of ", plan.ranks, " ranks (",
+                plan.workers, " per pipeline x ", plan.replicas, " replicas) but this job has ",
+                world, "; plan for it with PlanOptions().ranks(", world, ")");
+    if (dist.data_parallel() == 1 && !dist.shard_optimizer_state()) {
+      dist.data_parallel(plan.replicas)
+          .shard_optimizer_state(plan.shard_optimizer_state)
+          .shard_gradients(plan.shard_gradients);
+    }
+    counted_as_built(plan, dist);
+    return dist;
+  }
+
   // The replicas and sharding the plan counted memory for (`PlanOptions().replicas(d)`) are the
   // pipe's: a plan for sharded replicas would not fit unsharded ones. A plan that counted none
   // (replicas 1, the planner's default) is a replica's plan that leaves out what replicas add.
@@ -365,7 +395,9 @@ class Pipe : public torch::nn::ModuleHolder<PipeImpl> {
 
   Pipe(const runtime::Connection& connection, const torch::nn::Sequential& seq,
        const PipelinePlan& agreed, const Options& dist, int)
-      : Pipe(connection, seq, agreed.split, agreed.options(), dist) {}
+      : Pipe(connection, seq, agreed.split, agreed.options(), as_planned(agreed, dist, connection)) {
+    get()->plan_ = agreed;
+  }
 };
 
 }  // namespace stagewise::distributed

@@ -207,13 +207,23 @@ struct PlanFound {
   std::vector<double> state_shares;  // per stage, optimizer state off the device (empty: none)
 };
 
+// What planners of one model share (ranks(N) runs one per factorisation): the layers' profiles
+// per micro-batch size, each split's stage costs per size, and the layers' optimizer steps.
+struct ProfileCache {
+  std::map<std::int64_t, std::pair<std::vector<double>, std::vector<double>>> layers;
+  std::map<std::pair<std::int64_t, balance>, std::vector<StageCosts>> stages;
+  std::vector<double> layer_steps;
+  std::vector<double> layer_host_steps;
+};
+
 // The search of plan_pipeline over every candidate; `plan()` chooses.
 class PipelinePlanner {
  public:
   PipelinePlanner(const torch::nn::Sequential& model, const Batch& batch,
                   const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
-                  const PlanOptions& options)
-      : model_(model), batch_(batch), target_(target), loss_fn_(loss_fn), options_(options) {
+                  const PlanOptions& options, ProfileCache* cache = nullptr)
+      : model_(model), batch_(batch), target_(target), loss_fn_(loss_fn), options_(options),
+        cache_(cache != nullptr ? cache : &own_cache_) {
     TORCH_CHECK(options.memory_per_worker() > 0, who_,
                 ": give the bytes each worker may hold: PlanOptions().memory_per_worker(bytes)");
     check_sample(batch, who_);
@@ -222,8 +232,14 @@ class PipelinePlanner {
     profiling_ = BalanceOptions().rounds(options.rounds());
     if (options.device()) profiling_.device(*options.device());
     schedules_ = plan_schedules(options);
-    layer_steps_ = layer_step_seconds(model, options);
-    if (options.optimizer_store()) layer_host_steps_ = layer_host_step_seconds(model, options, layer_steps_);
+    if (cache_->layer_steps.empty()) cache_->layer_steps = layer_step_seconds(model, options);
+    layer_steps_ = cache_->layer_steps;
+    if (options.optimizer_store()) {
+      if (cache_->layer_host_steps.empty()) {
+        cache_->layer_host_steps = layer_host_step_seconds(model, options, layer_steps_);
+      }
+      layer_host_steps_ = cache_->layer_host_steps;
+    }
     if (!options.fused_step() || !*options.fused_step()) fused_choices_.push_back(false);
     if (!options.fused_step() || *options.fused_step()) fused_choices_.push_back(true);
   }
@@ -232,9 +248,14 @@ class PipelinePlanner {
   // each split's stages once.
   void weigh_micro_batches(int m) {
     const Batch sample = first_rows(batch_, rows_ / m);
-    const auto times = profile_times(model_, sample, profiling_);
-    const auto sizes = profile_sizes(
-        model_, sample, BalanceOptions(profiling_).param_scale(2.0 + options_.state_per_param()));
+    auto& layers = cache_->layers[rows_ / m];
+    if (layers.first.empty()) {
+      layers.first = profile_times(model_, sample, profiling_);
+      layers.second = profile_sizes(
+          model_, sample, BalanceOptions(profiling_).param_scale(2.0 + options_.state_per_param()));
+    }
+    const auto& times = layers.first;
+    const auto& sizes = layers.second;
     std::map<int, std::vector<std::pair<std::string, balance>>> splits;
     std::map<balance, std::vector<StageCosts>> costs;
     for (const auto& sc : schedules_) {
@@ -249,9 +270,13 @@ class PipelinePlanner {
       for (const auto& [by, split] : splits[n]) {
         const bool stable = std::equal(split.begin(), split.end(), by_size.begin(), by_size.end());
         if (!costs.count(split)) {
-          StageLoss loss;
-          if (loss_fn_ && target_.defined()) loss = {loss_fn_, target_.narrow(0, 0, rows_ / m)};
-          costs[split] = profile_stages(model_, split, sample, profiling_, loss);
+          auto& cached = cache_->stages[{rows_ / m, split}];
+          if (cached.empty()) {
+            StageLoss loss;
+            if (loss_fn_ && target_.defined()) loss = {loss_fn_, target_.narrow(0, 0, rows_ / m)};
+            cached = profile_stages(model_, split, sample, profiling_, loss);
+          }
+          costs[split] = cached;
         }
         for (bool fused : fused_choices_) {
           weigh_state_shares(sc, m, by, split, costs[split], fused, stable);
@@ -337,6 +362,26 @@ class PipelinePlanner {
     in.fused = fused && options_.replicas() == 1;
     if (options_.shard_optimizer_state()) {
       for (auto& t : in.step_seconds) t /= options_.replicas();
+    }
+    if (options_.ranks() > 0) {  // the step as the ranks run it, with the replicas' exchange
+      ReplicaExchange x{.replicas = options_.replicas(),
+                        .shard_optimizer_state = options_.shard_optimizer_state(),
+                        .shard_gradients = options_.shard_gradients(),
+                        .bucket_bytes = static_cast<double>(options_.bucket_bytes()),
+                        .link = options_.link().value_or(LinkSpeed{}),
+                        .grad_bytes = {}};
+      for (const auto& c : costs) {
+        x.grad_bytes.push_back(c.param_bytes);
+        // One message each way between neighbouring stages' ranks: a micro-batch's activation
+        // forward and its gradient back. A message through the pipe's transport costs about two
+        // of the link's latencies (the sender's hand-off and the receiver's wake-up; a transport
+        // round trip is 0.34-0.48 ms where Gloo's own is 0.1 ms, docs/benchmarks.md).
+        const double message = 2 * x.link.latency_seconds;
+        in.receive_input.push_back(message + c.input_bytes / x.link.bytes_per_second);
+        in.receive_grad.push_back(message + c.output_bytes / x.link.bytes_per_second);
+      }
+      in.exchange = std::move(x);
+      in.fused_after_exchange = fused && options_.replicas() > 1;
     }
     in.may_offload = options_.store().has_value();
     in.store_speed = options_.store_speed();
@@ -456,13 +501,11 @@ class PipelinePlanner {
       plan.checkpoints.push_back(c.mode);
       plan.offload_stages.push_back(c.offload && f.weighed.moves);
     }
-    if (f.weighed.moves) plan.store = options_.store();
+    plan.store = options_.store();  // kept when unused: a rank may take another's plan
     plan.offload_costs = f.copies;
     plan.fused_step = f.fused;
     plan.optimizer_shares = f.state_shares;
-    if (std::any_of(f.state_shares.begin(), f.state_shares.end(), [](double s) { return s > 0; })) {
-      plan.optimizer_store = options_.optimizer_store();
-    }
+    plan.optimizer_store = options_.optimizer_store();
     plan.optimizer = options_.optimizer_name();
     plan.replicas = options_.replicas();
     plan.shard_optimizer_state = options_.shard_optimizer_state();
@@ -479,6 +522,8 @@ class PipelinePlanner {
   const torch::Tensor& target_;
   const runtime::loss_fn_t& loss_fn_;
   const PlanOptions& options_;
+  ProfileCache own_cache_;
+  ProfileCache* cache_;
   std::int64_t rows_ = 0;
   double usable_ = 0;  // the cap less its headroom: what a plan's peak may reach
   BalanceOptions profiling_;

@@ -8,6 +8,7 @@
 
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/plan/detail/memory_planner.hpp"
+#include "stagewise/plan/detail/replica_exchange.hpp"
 #include "stagewise/plan/detail/state_offload_plan.hpp"
 #include "stagewise/plan/stage_costs.hpp"
 #include "stagewise/plan/worker_memory.hpp"
@@ -45,7 +46,35 @@ struct SearchInput {
   // Per stage, the host steps and copies of its offloaded optimizer state (empty: none;
   // state_offload_plan.hpp); `step_seconds` is then the device's part of the step.
   std::vector<double> host_seconds;
+  // ranks(N): the step as the ranks run it, the replicas' gradient exchange included
+  // (plan/detail/replica_exchange.hpp); `fused` is then the fused step within one replica's
+  // backward, `fused_after_exchange` the fused step of replicas, as each stage's exchange ends.
+  std::optional<ReplicaExchange> exchange;
+  bool fused_after_exchange = false;
+  // ranks(N): per stage, the seconds its input takes to arrive from the previous stage's rank
+  // (charged to its F) and its output's gradient from the next one's (charged to its B or I);
+  // nothing between stages of one rank. Empty: messages cost nothing (one process).
+  std::vector<double> receive_input;
+  std::vector<double> receive_grad;
 };
+
+// The time action `a` waits for a message from another rank (ranks(N)): an F for its input, a B
+// or an I for its output's gradient; nothing between stages of one rank, or in one process.
+inline double message_seconds(const schedule::Plan& plan, const SearchInput& in,
+                              const schedule::Action& a) {
+  if (in.receive_input.empty()) return 0.0;
+  const auto j = static_cast<std::size_t>(a.stage);
+  const int w = plan.worker_of(a.stage);
+  if (a.kind == schedule::ActionKind::forward && a.stage > 0 && plan.worker_of(a.stage - 1) != w) {
+    return in.receive_input[j];
+  }
+  const bool grad = a.kind == schedule::ActionKind::backward ||
+                    a.kind == schedule::ActionKind::input_grad;
+  if (grad && a.stage + 1 < plan.stages && plan.worker_of(a.stage + 1) != w) {
+    return in.receive_grad[j];
+  }
+  return 0.0;
+}
 
 // `plan` simulated on the stages' profiled costs: an offload or a reload takes its bytes over the
 // store's speed (on copy lanes beside the compute); with the fused step, a stage's last B or W
@@ -66,6 +95,7 @@ inline schedule::Simulation simulate_step(const schedule::Plan& plan, const Sear
       case schedule::ActionKind::offload:
       case schedule::ActionKind::reload: t = c.input_bytes / in.store_speed; break;
     }
+    t += message_seconds(plan, in, a);
     if (in.fused && (a.kind == schedule::ActionKind::backward || a.kind == schedule::ActionKind::weight_grad)) {
       const auto& program = plan.programs[static_cast<std::size_t>(plan.worker_of(a.stage))];
       const int k = spans[static_cast<std::size_t>(a.stage)].last;
@@ -80,6 +110,11 @@ inline schedule::Simulation simulate_step(const schedule::Plan& plan, const Sear
 // parameter after it, and the host steps of offloaded optimizer state where they outlast it.
 inline double step_seconds(const schedule::Simulation& sim, const schedule::Plan& plan,
                            const SearchInput& in) {
+  if (in.exchange) {
+    const double ranks = replica_step_seconds(sim.timeline, plan, *in.exchange, in.step_seconds,
+                                              in.fused_after_exchange, in.fused);
+    return with_host_steps(sim, plan, in.host_seconds, in.fused || in.fused_after_exchange, ranks);
+  }
   double seconds = sim.makespan();
   if (!in.fused) {
     for (double s : in.step_seconds) seconds += s;

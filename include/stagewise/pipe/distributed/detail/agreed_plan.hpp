@@ -3,7 +3,8 @@
 // distributed::Pipe(model, plan): every rank runs rank 0's plan. Each rank plans on its own
 // profiles, and where two candidates' costs are close, ranks may choose differently; the ranks
 // exchange what a step depends on (the split, the schedule, the micro-batches, each stage's
-// checkpoint mode and offload) at start-up, and every rank takes rank 0's.
+// checkpoint mode and offload, the ranks per pipeline, the replicas and their sharding, each
+// stage's share of optimizer state off the device) at start-up, and every rank takes rank 0's.
 
 #include "stagewise/core/checkpoint_mode.hpp"
 #include "stagewise/plan/pipeline_plan.hpp"
@@ -29,6 +30,11 @@ inline std::string plan_text(const PipelinePlan& plan) {
   for (auto layers : plan.split) out << " " << layers;
   for (auto mode : plan.checkpoints) out << " " << ::stagewise::to_string(mode);
   for (bool off : plan.offload_stages) out << " " << (off ? 1 : 0);
+  out << " " << plan.workers << " " << plan.replicas << " " << (plan.shard_optimizer_state ? 1 : 0)
+      << " " << (plan.shard_gradients ? 1 : 0) << " " << plan.ranks << " "
+      << plan.optimizer_shares.size();
+  out.precision(17);
+  for (double share : plan.optimizer_shares) out << " " << share;
   return out.str();
 }
 
@@ -40,7 +46,9 @@ inline PipelinePlan plan_from_text(PipelinePlan plan, const std::string& text) {
   int fused = 0;
   in >> name >> plan.stages_per_worker >> plan.micro_batches >> fused >> stages;
   plan.fused_step = fused != 0;
-  plan.schedule = schedule::builtin_schedule(name, plan.stages_per_worker);
+  // "interleaved_one_f_one_b{2}": the built-in's name, its stages per worker apart.
+  plan.schedule =
+      schedule::builtin_schedule(name.substr(0, name.find('{')), plan.stages_per_worker);
   plan.split.assign(stages, 0);
   plan.checkpoints.assign(stages, Checkpoint::never);
   plan.offload_stages.assign(stages, false);
@@ -55,6 +63,13 @@ inline PipelinePlan plan_from_text(PipelinePlan plan, const std::string& text) {
     in >> off;
     plan.offload_stages[j] = off != 0;
   }
+  int state = 0, grads = 0;
+  std::size_t shares = 0;
+  in >> plan.workers >> plan.replicas >> state >> grads >> plan.ranks >> shares;
+  plan.shard_optimizer_state = state != 0;
+  plan.shard_gradients = grads != 0;
+  plan.optimizer_shares.assign(shares, 0.0);
+  for (auto& share : plan.optimizer_shares) in >> share;
   TORCH_CHECK(!in.fail(), "stagewise::distributed::Pipe: rank 0's plan could not be read ('",
               text, "'); every rank must run the same stagewise");
   return plan;
