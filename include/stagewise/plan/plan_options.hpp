@@ -120,8 +120,9 @@ class PlanOptions {
     return *this;
   }
   /// The share of the cap a plan leaves free for what the model does not see (allocator slack,
-  /// small tensors, a caching allocator's rounding; default 0.05): a plan's predicted peak is
-  /// at most (1 - headroom) times the cap.
+  /// small tensors, a caching allocator's rounding; default 0.05, and 0.1 with `ranks(N)`, where
+  /// the model has been seen up to 11% under a rank's measured peak under ZB-H1): a plan's
+  /// predicted peak is at most (1 - headroom) times the cap.
   PlanOptions& headroom(double share) {
     TORCH_CHECK(share >= 0 && share < 1, "stagewise::PlanOptions: headroom is ", share,
                 "; give a share of the cap from 0 to below 1 (0.05: 5%)");
@@ -225,7 +226,7 @@ class PlanOptions {
   PlanFor prefer() const { return prefer_; }
   const std::optional<torch::Device>& device() const { return device_; }
   int rounds() const { return rounds_; }
-  double headroom() const { return headroom_; }
+  double headroom() const { return headroom_.value_or(ranks_ > 0 ? 0.1 : 0.05); }
   bool separate_devices() const { return separate_devices_; }
   int replicas() const { return replicas_; }
   bool shard_optimizer_state() const { return shard_state_; }
@@ -252,7 +253,7 @@ class PlanOptions {
   PlanFor prefer_ = PlanFor::time;
   std::optional<torch::Device> device_;
   int rounds_ = 2;
-  double headroom_ = 0.05;
+  std::optional<double> headroom_;  // unset: 0.05, or 0.1 with ranks(N)
   bool separate_devices_ = false;
   int replicas_ = 1;
   bool shard_state_ = false;
