@@ -1,5 +1,5 @@
-// elastic: a job that outlives lost ranks. Each start plans the pipeline for the ranks it has
-// (plan_pipeline), the job saves after every step, and a start after a failure resumes from the
+// elastic: a job that outlives lost ranks. Each start plans for the ranks it has (plan_pipeline
+// with ranks(N): stages x replicas on the job's measured link), the job saves after every step, and a start after a failure resumes from the
 // last complete save, whatever plan (ranks, split, schedule) wrote it.
 //   ./bazelw build //examples:elastic
 //   tools/launch -n 4 --elastic 2 -- bazel-bin/examples/elastic --fail-at=3
@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -49,12 +50,18 @@ int train(int argc, char** argv) {
     return torch::mse_loss(o, t);
   };
 
-  // The fastest pipeline for the ranks of this start (every rank runs rank 0's plan).
-  const auto plan = sw::plan_pipeline(
-      model, x, y, loss_fn,
-      sw::PlanOptions().workers(ranks).memory_per_worker(256LL << 20).fused_step(true));
-  sw::distributed::Pipe pipe(model, plan);
+  // The fastest plan for the ranks of this start: stages x replicas, weighed on this job's link
+  // (every rank runs rank 0's plan).
+  auto job = sw::runtime::connect(sw::runtime::rendezvous_env(), {std::chrono::seconds(60)});
+  const auto plan = sw::plan_pipeline(model, x, y, loss_fn,
+                                      sw::PlanOptions()
+                                          .ranks(ranks)
+                                          .link(sw::distributed::measure_link(job))
+                                          .memory_per_worker(256LL << 20)
+                                          .fused_step(true));
+  sw::distributed::Pipe pipe(job, model, plan);
   sw::optim::FusedStep fused(pipe->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto rows = pipe->shard(x), targets = pipe->shard(y);  // this replica's rows
 
   std::int64_t first = 0;
   if (const auto last = sw::latest_save(out)) {  // the last complete save, of any plan
@@ -62,13 +69,13 @@ int train(int argc, char** argv) {
     if (rank == 0) {
       std::cout << "resumed from " << last->dir << " (saved by " << last->processes
                 << " ranks) at step " << first << " on " << ranks
-                << " ranks: " << plan.schedule.name() << ", " << plan.split.size() << " stages"
-                << std::endl;
+                << " ranks: " << pipe->plan()->schedule.name() << ", " << pipe->plan()->workers
+                << " stages x " << pipe->plan()->replicas << " replicas" << std::endl;
     }
   }
   for (std::int64_t step = first; step < steps; ++step) {
     if (step == fail_at && !restarted && rank == ranks - 1) std::raise(SIGKILL);  // a lost machine
-    const auto loss = pipe->train_step(x, y, loss_fn, fused);  // the planned schedule
+    const auto loss = pipe->train_step(rows, targets, loss_fn, fused);  // the planned schedule
     pipe->save(out + "/step-" + std::to_string(step), fused, step);
     if (rank == 0) {
       std::filesystem::remove_all(out + "/step-" + std::to_string(step - 2));  // keep two
