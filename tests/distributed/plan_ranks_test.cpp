@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace sw = stagewise;
 using sw::testing::error_of;
@@ -206,28 +207,39 @@ TEST_SUITE("distributed::Pipe(model, plan) for ranks") {
   }
 
   TEST_CASE("the plan every rank agrees on: what a step depends on, interleaved schedules too") {
-    auto plan = sw::plan_pipeline(rplan::model(0), sw::Batch(torch::randn({32, 256})),
-                                  rplan::options(2, sw::LinkSpeed{})
-                                      .schedules({"interleaved_one_f_one_b{2}"})
-                                      .micro_batches({4})
-                                      .memory_per_worker(1LL << 30));
-    CHECK(plan.schedule.name() == "interleaved_one_f_one_b{2}");
-    plan.shard_optimizer_state = true;  // as rank 0's may differ from this rank's
-    plan.replicas = 2;
-    plan.workers = 1;
-    plan.optimizer_shares = {0.5, 1.0};
-    const auto text = sw::distributed::detail::plan_text(plan);
-    const auto back = sw::distributed::detail::plan_from_text(sw::PipelinePlan(), text);
-    CHECK(back.schedule.name() == "interleaved_one_f_one_b{2}");
-    CHECK(back.split == plan.split);
-    CHECK(back.micro_batches == 4);
-    CHECK(back.workers == 1);
-    CHECK(back.replicas == 2);
-    CHECK(back.shard_optimizer_state);
-    CHECK(!back.shard_gradients);
-    CHECK(back.ranks == 2);
-    CHECK(back.optimizer_shares == std::vector<double>{0.5, 1.0});
-    CHECK(sw::distributed::detail::plan_text(back) == text);
+    // In a child: planning profiles the stages with autograd, after which LibTorch 2.6 refuses
+    // autograd in any process this one forks (the other cases' ranks).
+    const auto r = sw::testing::run_ranks(
+        1,
+        [](int) {
+          auto plan = sw::plan_pipeline(rplan::model(0), sw::Batch(torch::randn({32, 256})),
+                                        rplan::options(2, sw::LinkSpeed{})
+                                            .schedules({"interleaved_one_f_one_b{2}"})
+                                            .micro_batches({4})
+                                            .memory_per_worker(1LL << 30));
+          TORCH_CHECK(plan.schedule.name() == "interleaved_one_f_one_b{2}", "planned ",
+                      plan.schedule.name());
+          plan.shard_optimizer_state = true;  // as rank 0's may differ from this rank's
+          plan.replicas = 2;
+          plan.workers = 1;
+          plan.optimizer_shares = {0.5, 1.0};
+          const auto text = sw::distributed::detail::plan_text(plan);
+          const auto back = sw::distributed::detail::plan_from_text(sw::PipelinePlan(), text);
+          TORCH_CHECK(back.schedule.name() == "interleaved_one_f_one_b{2}", "read back ",
+                      back.schedule.name());
+          TORCH_CHECK(back.split == plan.split, "the split differs");
+          TORCH_CHECK(back.micro_batches == 4, "micro-batches ", back.micro_batches);
+          TORCH_CHECK(back.workers == 1, "workers ", back.workers);
+          TORCH_CHECK(back.replicas == 2, "replicas ", back.replicas);
+          TORCH_CHECK(back.shard_optimizer_state && !back.shard_gradients, "the sharding differs");
+          TORCH_CHECK(back.ranks == 2, "ranks ", back.ranks);
+          TORCH_CHECK(back.optimizer_shares == std::vector<double>({0.5, 1.0}),
+                      "the optimizer shares differ");
+          TORCH_CHECK(sw::distributed::detail::plan_text(back) == text, "the text differs");
+        },
+        120s);
+    INFO(r[0].text);
+    CHECK(r[0].status == 0);
   }
 
   TEST_CASE("a plan for 4 ranks on 2 is refused, naming the fix") {

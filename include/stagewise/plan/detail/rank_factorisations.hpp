@@ -58,10 +58,11 @@ inline torch::Tensor first_target_rows(const torch::Tensor& target, std::int64_t
   return target.defined() ? target.narrow(0, 0, rows) : target;
 }
 
-// plan_pipeline for options.ranks() ranks.
+// plan_pipeline for options.ranks() ranks; `shared`, when given, keeps the profiles across calls
+// (two plans of one model on one profile: the tests compare links on equal costs).
 inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Batch& batch,
                                    const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
-                                   const PlanOptions& options) {
+                                   const PlanOptions& options, ProfileCache* shared = nullptr) {
   const char* who = "stagewise::plan_pipeline";
   const int n = options.ranks();
   TORCH_CHECK(options.replicas() == 1 && !options.shard_optimizer_state(), who, ": ranks(", n,
@@ -87,7 +88,8 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
                 "link's speed, and none was given: give PlanOptions().link(sw::LinkSpeed{...}), "
                 "or measure the job's with sw::distributed::measure_link(job)");
   }
-  ProfileCache cache;
+  ProfileCache own;
+  ProfileCache& cache = shared != nullptr ? *shared : own;
   std::vector<PipelinePlan> plans;
   std::vector<PlanFactorisation> weighed;
   for (const auto& s : shapes) {
