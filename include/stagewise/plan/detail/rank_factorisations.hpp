@@ -58,11 +58,10 @@ inline torch::Tensor first_target_rows(const torch::Tensor& target, std::int64_t
   return target.defined() ? target.narrow(0, 0, rows) : target;
 }
 
-// plan_pipeline for options.ranks() ranks; `shared`, when given, keeps the profiles across calls
-// (two plans of one model on one profile: the tests compare links on equal costs).
-inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Batch& batch,
-                                   const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
-                                   const PlanOptions& options, ProfileCache* shared = nullptr) {
+// What plan_for_ranks refuses before it profiles anything: replicas or sharding set by hand, no
+// cap, a bad sample, replicas weighed without a link.
+inline void check_ranks_options(const PlanOptions& options, const Batch& batch,
+                                const std::vector<RankShape>& shapes) {
   const char* who = "stagewise::plan_pipeline";
   const int n = options.ranks();
   TORCH_CHECK(options.replicas() == 1 && !options.shard_optimizer_state(), who, ": ranks(", n,
@@ -73,8 +72,6 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
   TORCH_CHECK(options.memory_per_worker() > 0, who,
               ": give the bytes each rank may hold: PlanOptions().memory_per_worker(bytes)");
   check_sample(batch, who);
-  const auto rows = batch[0].size(0);
-  const auto shapes = rank_shapes(n);
   if (!options.link() && n > 1) {
     std::string with;
     for (const auto& s : shapes) {
@@ -88,6 +85,18 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
                 "link's speed, and none was given: give PlanOptions().link(sw::LinkSpeed{...}), "
                 "or measure the job's with sw::distributed::measure_link(job)");
   }
+}
+
+// plan_pipeline for options.ranks() ranks; `shared`, when given, keeps the profiles across calls
+// (two plans of one model on one profile: the tests compare links on equal costs).
+inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Batch& batch,
+                                   const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
+                                   const PlanOptions& options, ProfileCache* shared = nullptr) {
+  const char* who = "stagewise::plan_pipeline";
+  const int n = options.ranks();
+  const auto shapes = rank_shapes(n);
+  check_ranks_options(options, batch, shapes);
+  const auto rows = batch[0].size(0);
   ProfileCache own;
   ProfileCache& cache = shared != nullptr ? *shared : own;
   std::vector<PipelinePlan> plans;
