@@ -1,14 +1,17 @@
 #pragma once
 
 // plan_pipeline's work (plan/plan_pipeline.hpp): the candidates it weighs (micro-batch counts,
-// schedules, splits, the fused step or not), each stage profiled alone (profile_stages), each
+// schedules and splits from plan_candidates.hpp, the fused step or not), each stage profiled
+// alone (profile_stages, its optimizer step from optimizer_step_seconds.hpp), each
 // candidate's checkpoint modes and offloads searched (plan_search.hpp), and the plan assembled
 // from the one chosen, with every candidate as a plan of its own.
 
 #include "stagewise/core/batch.hpp"
 #include "stagewise/core/error_context.hpp"
-#include "stagewise/optim/shard_owners.hpp"
+#include "stagewise/plan/detail/optimizer_step_seconds.hpp"
+#include "stagewise/plan/detail/plan_candidates.hpp"
 #include "stagewise/plan/detail/plan_search.hpp"
+#include "stagewise/plan/detail/stage_states.hpp"
 #include "stagewise/plan/pipeline_plan.hpp"
 #include "stagewise/plan/plan_options.hpp"
 #include "stagewise/plan/stage_costs.hpp"
@@ -19,18 +22,14 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/sgd.h>
 #include <torch/types.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -38,160 +37,12 @@
 
 namespace stagewise::detail {
 
-// The first `rows` rows of every tensor of `batch`: one micro-batch.
-inline Batch first_rows(const Batch& batch, std::int64_t rows) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : batch) out.push_back(t.narrow(0, 0, rows));
-  return batch.atomic() ? Batch(out[0]) : Batch(std::move(out));
-}
-
-// The micro-batch counts to weigh: as given, or every divisor of the rows up to 64.
-inline std::vector<int> micro_batch_counts(const PlanOptions& o, std::int64_t rows) {
-  std::vector<int> out;
-  if (!o.micro_batches().empty()) {
-    for (int m : o.micro_batches()) {
-      TORCH_CHECK(rows % m == 0, "stagewise::plan_pipeline: the batch has ", rows,
-                  " rows, which do not split into ", m,
-                  " equal micro-batches; give counts that divide the batch");
-      out.push_back(m);
-    }
-    return out;
-  }
-  for (int m = 1; m <= std::min<std::int64_t>(rows, 64); ++m) {
-    if (rows % m == 0) out.push_back(m);
-  }
-  return out;
-}
-
-// The schedules to weigh: the built-in candidates, or those named.
-inline std::vector<schedule::ScheduleCandidate> plan_schedules(const PlanOptions& o) {
-  auto all = schedule::default_candidates();
-  if (o.schedules().empty()) return all;
-  std::vector<schedule::ScheduleCandidate> out;
-  for (const auto& name : o.schedules()) {
-    auto it = std::find_if(all.begin(), all.end(),
-                           [&](const auto& c) { return c.schedule.name() == name; });
-    std::string known;
-    for (const auto& c : all) known += (known.empty() ? "" : ", ") + c.schedule.name();
-    TORCH_CHECK(it != all.end(), "stagewise::PlanOptions: no built-in schedule is named '", name,
-                "'; give some of: ", known);
-    out.push_back(*it);
-  }
-  return out;
-}
-
-// One optimizer step's time on copies of `params` (each with a gradient), the second of two (the
-// first makes the state).
-inline double optimizer_step_seconds(const PlanOptions& o, const std::vector<torch::Tensor>& params) {
-  if (params.empty()) return 0.0;
-  std::vector<torch::Tensor> copies;
-  for (const auto& p : params) {
-    auto c = p.detach().clone().requires_grad_(true);
-    c.mutable_grad() = torch::randn_like(c);
-    copies.push_back(c);
-  }
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (o.adam()) {
-    opt = std::make_unique<torch::optim::Adam>(
-        copies, torch::optim::AdamOptions(o.adam()->lr).weight_decay(o.adam()->weight_decay));
-  } else {
-    opt = std::make_unique<torch::optim::SGD>(
-        copies, torch::optim::SGDOptions(o.sgd()->lr).momentum(o.sgd()->momentum));
-  }
-  torch::NoGradGuard no_grad;
-  opt->step();
-  const auto t0 = std::chrono::steady_clock::now();
-  opt->step();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// Each layer's optimizer step time (summed per stage later).
-inline std::vector<double> layer_step_seconds(const torch::nn::Sequential& model,
-                                              const PlanOptions& o) {
-  std::vector<double> out;
-  for (const auto& layer : model->children()) out.push_back(optimizer_step_seconds(o, layer->parameters()));
-  return out;
-}
-
-// The share of `bytes` (a stage's tensors) the most loaded of `d` replicas owns when they shard it
-// (optim::shard_owners); 0 when unknown.
-inline double owned_share(const std::vector<double>& bytes, int d) {
-  if (bytes.empty() || d <= 1) return 0;
-  std::vector<std::int64_t> b;
-  for (double x : bytes) b.push_back(static_cast<std::int64_t>(x));
-  const auto loads = optim::shard_loads(b, optim::shard_owners(b, d), d);
-  const auto total = std::accumulate(b.begin(), b.end(), std::int64_t{0});
-  if (total == 0) return 0;
-  return static_cast<double>(*std::max_element(loads.begin(), loads.end())) /
-         static_cast<double>(total);
-}
-
-// Each layer's optimizer step on the host (CPU copies of its parameters): the layers' device
-// steps when the model is on the CPU already.
-inline std::vector<double> layer_host_step_seconds(const torch::nn::Sequential& model,
-                                                   const PlanOptions& o,
-                                                   const std::vector<double>& device_steps) {
-  std::vector<double> out;
-  for (const auto& layer : model->children()) {
-    std::vector<torch::Tensor> host;
-    bool moved = false;
-    for (const auto& p : layer->parameters()) {
-      moved = moved || !p.device().is_cpu();
-      host.push_back(p.detach().to(torch::kCPU));
-    }
-    out.push_back(moved ? optimizer_step_seconds(o, host) : device_steps[out.size()]);
-  }
-  return out;
-}
-
-// What each stage holds besides its cells, from its costs and the optimizer (and, with
-// replicas, what one replica holds: schedule::replica_state).
-inline std::vector<schedule::StageState> stage_states(const std::vector<StageCosts>& costs,
-                                                      const PlanOptions& o) {
-  std::vector<schedule::StageState> out;
-  for (const auto& c : costs) {
-    const schedule::StageState whole{.params = c.param_bytes,
-                                     .grads = c.param_bytes,
-                                     .optimizer = o.state_per_param() * c.param_bytes,
-                                     .step_working = o.step_temporaries() * c.largest_param_bytes};
-    out.push_back(
-        schedule::replica_state(whole, {.replicas = o.replicas(),
-                                        .shard_optimizer_state = o.shard_optimizer_state(),
-                                        .shard_gradients = o.shard_gradients(),
-                                        .bucket_bytes = static_cast<double>(o.bucket_bytes()),
-                                        .largest_tensor = c.largest_param_bytes,
-                                        .owned_share = owned_share(c.tensor_bytes, o.replicas())}));
-  }
-  return out;
-}
-
 inline std::string mib(double bytes) {
   std::ostringstream s;
   s.precision(4);
   s << bytes / (1 << 20) << " MiB";
   return s.str();
 }
-
-// The splits to weigh for `stages` stages at one micro-batch: the exact min-max split of the
-// layers' times, and of their sizes (activations plus parameters, gradients and optimizer
-// state), without repeats.
-inline std::vector<std::pair<std::string, balance>> splits_of(const std::vector<double>& times,
-                                                             const std::vector<double>& sizes,
-                                                             int stages) {
-  std::vector<std::pair<std::string, balance>> out;
-  auto add = [&](const std::string& by, const std::vector<double>& costs) {
-    const auto sizes_of = block_sizes(costs, stages);
-    balance b(sizes_of.begin(), sizes_of.end());
-    for (const auto& [name, seen] : out) {
-      if (seen == b) return;
-    }
-    out.emplace_back(by, std::move(b));
-  };
-  add("time", times);
-  add("size", sizes);
-  return out;
-}
-
 
 // One candidate weighed: its best setting of the stages' choices and what it was.
 struct PlanFound {

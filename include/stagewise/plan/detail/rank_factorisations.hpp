@@ -87,58 +87,119 @@ inline void check_ranks_options(const PlanOptions& options, const Batch& batch,
   }
 }
 
+// One factorisation `s` of the ranks weighed: its best plan appended to `plans` when one fits,
+// and what it was (or why not) in the factorisation's row.
+inline PlanFactorisation weigh_factorisation(const torch::nn::Sequential& model, const Batch& batch,
+                                             const torch::Tensor& target,
+                                             const runtime::loss_fn_t& loss_fn,
+                                             const PlanOptions& options, const RankShape& s,
+                                             ProfileCache& cache, std::vector<PipelinePlan>& plans) {
+  PlanFactorisation f;
+  f.stage_ranks = s.stage_ranks;
+  f.replicas = s.replicas;
+  f.sharding = PipelinePlan::sharding_name(s.shard_state, s.shard_grads);
+  const auto rows = batch[0].size(0);
+  if (rows % s.replicas != 0) {
+    f.why_not = "not weighed: the batch's " + std::to_string(rows) + " rows do not split into " +
+                std::to_string(s.replicas) + " replicas";
+    return f;
+  }
+  PlanOptions o = options;
+  o.workers(s.stage_ranks).replicas(s.replicas).separate_devices(true);
+  o.shard_optimizer_state(s.shard_state).shard_gradients(s.shard_grads);
+  const auto replica_rows = rows / s.replicas;
+  const Batch part = first_rows(batch, replica_rows);
+  const torch::Tensor part_target = first_target_rows(target, replica_rows);
+  try {
+    PipelinePlanner planner(model, part, part_target, loss_fn, o, &cache);
+    for (int m : micro_batch_counts(o, replica_rows)) planner.weigh_micro_batches(m);
+    auto plan = planner.plan();
+    f.step_seconds = plan.step_seconds;
+    f.peak = plan.peak();
+    f.fits = true;
+    f.best = plan.candidates.empty() ? "" : plan.candidates.front().description;
+    for (const auto& c : plan.candidates) {
+      if (c.fits) {
+        f.best = c.description;
+        break;
+      }
+    }
+    plans.push_back(std::move(plan));
+  } catch (const std::exception& e) {
+    f.why_not = message_of(e);
+  }
+  return f;
+}
+
+// Orders two plans (step seconds, peak bytes): the faster, or, preferring memory, the smaller.
+struct RanksOrder {
+  bool for_memory = false;
+  bool operator()(double t1, double p1, double t2, double p2) const {
+    if (for_memory && p1 != p2) return p1 < p2;
+    return t1 < t2;
+  }
+};
+
+// Every factorisation's candidates, each as a plan for the `n` ranks, best first.
+inline std::vector<PlanCandidate> ranks_candidates(const std::vector<PipelinePlan>& plans, int n,
+                                                   const std::optional<LinkSpeed>& link,
+                                                   RanksOrder better) {
+  std::vector<PlanCandidate> out;
+  for (const auto& plan : plans) {
+    const RankShape s{plan.workers, plan.replicas, plan.shard_optimizer_state,
+                      plan.shard_gradients};
+    for (auto c : plan.candidates) {
+      c.description = shape_name(s) + ": " + c.description;
+      if (c.plan) {
+        auto p = std::make_shared<PipelinePlan>(*c.plan);
+        p->ranks = n;
+        p->link = link;
+        c.plan = std::move(p);
+      }
+      out.push_back(std::move(c));
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [&](const PlanCandidate& a, const PlanCandidate& b) {
+    if (!a.plan || !b.plan) return a.plan && !b.plan;
+    return better(a.step_seconds, a.peak, b.step_seconds, b.peak);
+  });
+  return out;
+}
+
+// The factorisations' rows for the report: those that fit by their best, then those that did not
+// fit or were not weighed; each that fits but lost says why against `chosen`.
+inline std::vector<PlanFactorisation> ranks_rows(std::vector<PlanFactorisation> weighed,
+                                                 const PipelinePlan& chosen, RanksOrder better) {
+  std::stable_sort(weighed.begin(), weighed.end(), [&](const auto& a, const auto& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.fits && better(a.step_seconds, a.peak, b.step_seconds, b.peak);
+  });
+  const auto sharding =
+      PipelinePlan::sharding_name(chosen.shard_optimizer_state, chosen.shard_gradients);
+  for (auto& f : weighed) {
+    const bool is_chosen = f.stage_ranks == chosen.workers && f.replicas == chosen.replicas &&
+                           f.sharding == sharding;
+    if (f.fits && !is_chosen) {
+      f.why_not = better.for_memory ? "a larger peak than the chosen" : "slower than the chosen";
+    }
+  }
+  return weighed;
+}
+
 // plan_pipeline for options.ranks() ranks; `shared`, when given, keeps the profiles across calls
 // (two plans of one model on one profile: the tests compare links on equal costs).
 inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Batch& batch,
                                    const torch::Tensor& target, const runtime::loss_fn_t& loss_fn,
                                    const PlanOptions& options, ProfileCache* shared = nullptr) {
-  const char* who = "stagewise::plan_pipeline";
   const int n = options.ranks();
   const auto shapes = rank_shapes(n);
   check_ranks_options(options, batch, shapes);
-  const auto rows = batch[0].size(0);
   ProfileCache own;
   ProfileCache& cache = shared != nullptr ? *shared : own;
   std::vector<PipelinePlan> plans;
   std::vector<PlanFactorisation> weighed;
   for (const auto& s : shapes) {
-    PlanFactorisation f;
-    f.stage_ranks = s.stage_ranks;
-    f.replicas = s.replicas;
-    f.sharding = PipelinePlan::sharding_name(s.shard_state, s.shard_grads);
-    if (rows % s.replicas != 0) {
-      f.why_not = "not weighed: the batch's " + std::to_string(rows) + " rows do not split into " +
-                  std::to_string(s.replicas) + " replicas";
-      weighed.push_back(f);
-      continue;
-    }
-    PlanOptions o = options;
-    o.workers(s.stage_ranks).replicas(s.replicas).separate_devices(true);
-    o.shard_optimizer_state(s.shard_state).shard_gradients(s.shard_grads);
-    const auto replica_rows = rows / s.replicas;
-    const Batch part = first_rows(batch, replica_rows);
-    const torch::Tensor part_target = first_target_rows(target, replica_rows);
-    try {
-      PipelinePlanner planner(model, part, part_target, loss_fn, o, &cache);
-      for (int m : micro_batch_counts(o, replica_rows)) planner.weigh_micro_batches(m);
-      auto plan = planner.plan();
-      f.step_seconds = plan.step_seconds;
-      f.peak = plan.peak();
-      f.fits = true;
-      f.best = plan.candidates.empty() ? "" : plan.candidates.front().description;
-      for (const auto& c : plan.candidates) {
-        if (c.fits) {
-          f.best = c.description;
-          break;
-        }
-      }
-      plans.push_back(std::move(plan));
-    } catch (const std::exception& e) {
-      f.why_not = message_of(e);
-      weighed.push_back(f);
-      continue;
-    }
-    weighed.push_back(f);
+    weighed.push_back(weigh_factorisation(model, batch, target, loss_fn, options, s, cache, plans));
   }
   if (plans.empty()) {
     std::string why;
@@ -146,14 +207,10 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
       why += "\n  " + std::to_string(f.stage_ranks) + " x " + std::to_string(f.replicas) +
              ", sharding " + f.sharding + ": " + f.why_not;
     }
-    TORCH_CHECK(false, who, ": no factorisation of ", n, " ranks fits ",
+    TORCH_CHECK(false, "stagewise::plan_pipeline: no factorisation of ", n, " ranks fits ",
                 options.memory_per_worker(), " bytes per rank:", why);
   }
-  const bool for_memory = options.prefer() == PlanFor::memory;
-  auto better = [&](double t1, double p1, double t2, double p2) {
-    if (for_memory && p1 != p2) return p1 < p2;
-    return t1 < t2;
-  };
+  const RanksOrder better{options.prefer() == PlanFor::memory};
   std::size_t best = 0;
   for (std::size_t i = 1; i < plans.size(); ++i) {
     if (better(plans[i].step_seconds, plans[i].peak(), plans[best].step_seconds,
@@ -162,41 +219,8 @@ inline PipelinePlan plan_for_ranks(const torch::nn::Sequential& model, const Bat
     }
   }
   PipelinePlan out = plans[best];
-  // Every factorisation's candidates, each as a plan for the ranks, in order.
-  out.candidates.clear();
-  for (std::size_t i = 0; i < plans.size(); ++i) {
-    const RankShape s{plans[i].workers, plans[i].replicas, plans[i].shard_optimizer_state,
-                      plans[i].shard_gradients};
-    for (auto c : plans[i].candidates) {
-      c.description = shape_name(s) + ": " + c.description;
-      if (c.plan) {
-        auto p = std::make_shared<PipelinePlan>(*c.plan);
-        p->ranks = n;
-        p->link = options.link();
-        c.plan = std::move(p);
-      }
-      out.candidates.push_back(std::move(c));
-    }
-  }
-  std::stable_sort(out.candidates.begin(), out.candidates.end(),
-                   [&](const PlanCandidate& a, const PlanCandidate& b) {
-                     if (!a.plan || !b.plan) return a.plan && !b.plan;
-                     return better(a.step_seconds, a.peak, b.step_seconds, b.peak);
-                   });
-  // Fitting factorisations by their best, then those that did not fit or were not weighed.
-  std::stable_sort(weighed.begin(), weighed.end(), [&](const auto& a, const auto& b) {
-    if (a.fits != b.fits) return a.fits;
-    return a.fits && better(a.step_seconds, a.peak, b.step_seconds, b.peak);
-  });
-  for (auto& f : weighed) {
-    const bool chosen =
-        f.stage_ranks == out.workers && f.replicas == out.replicas &&
-        f.sharding == PipelinePlan::sharding_name(out.shard_optimizer_state, out.shard_gradients);
-    if (f.fits && !chosen) {
-      f.why_not = for_memory ? "a larger peak than the chosen" : "slower than the chosen";
-    }
-  }
-  out.factorisations = std::move(weighed);
+  out.candidates = ranks_candidates(plans, n, options.link(), better);
+  out.factorisations = ranks_rows(std::move(weighed), out, better);
   out.ranks = n;
   out.link = options.link();
   return out;
