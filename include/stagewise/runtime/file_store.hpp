@@ -1,6 +1,7 @@
 #pragma once
 
 #include "stagewise/optim/state_offload.hpp"
+#include "stagewise/runtime/detail/file_tensor.hpp"
 #include "stagewise/runtime/detail/state_files.hpp"
 #include "stagewise/runtime/offload_store.hpp"
 #include "stagewise/runtime/state_store.hpp"
@@ -114,7 +115,7 @@ class FileStore {
         out.emplace_back();
         continue;
       }
-      torch::Tensor host = torch::empty(r.sizes, torch::TensorOptions().dtype(r.dtype));
+      torch::Tensor host = r.empty_host();
       read_all(f, key, static_cast<char*>(host.data_ptr()), r.bytes, r.offset);
       out.push_back(copy_to(host, device));
     }
@@ -168,13 +169,7 @@ class FileStore {
   }
 
  private:
-  struct Record {
-    bool defined = false;
-    std::vector<std::int64_t> sizes;
-    c10::ScalarType dtype = c10::ScalarType::Float;
-    std::int64_t offset = 0;
-    std::int64_t bytes = 0;
-  };
+  using Record = detail::FileTensor;
   struct StageFile {
     StageFile() = default;
     StageFile(const StageFile&) = delete;

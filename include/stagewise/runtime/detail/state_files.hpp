@@ -7,6 +7,7 @@
 // removed with the store.
 
 #include "stagewise/optim/state_offload.hpp"
+#include "stagewise/runtime/detail/file_tensor.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
@@ -68,7 +69,7 @@ class StateFiles {
           out.tensors.emplace_back();
           continue;
         }
-        auto host = torch::empty(t.sizes, torch::TensorOptions().dtype(t.dtype));
+        auto host = t.empty_host();
         transfer(who, path, key, t.bytes, "reading", "from", "end of file",
                  "was the file changed during training? Keep the directory for the store alone",
                  [&](std::int64_t done) {
@@ -163,13 +164,7 @@ class StateFiles {
   }
 
  private:
-  struct Tensor {
-    bool defined = false;
-    std::vector<std::int64_t> sizes;
-    c10::ScalarType dtype = c10::ScalarType::Float;
-    std::int64_t offset = 0;
-    std::int64_t bytes = 0;
-  };
+  using Tensor = FileTensor;
   struct Layout {
     std::vector<Tensor> tensors;
     std::int64_t step = 0;
