@@ -66,7 +66,7 @@ fs::path scratch(const std::string& name) {
 // where it saves (after step `save_at`) and loads from, and where each process writes its
 // parameters when done.
 struct Job {
-  sw::balance split;
+  sw::balance split = {};
   int replicas = 1;
   bool fused = false;
   bool one_process = false;

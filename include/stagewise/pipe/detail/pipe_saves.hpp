@@ -31,9 +31,9 @@ namespace stagewise::detail {
 /// What a save keeps beside the optimizer (a GradScaler's state), in the archive that holds it:
 /// the index (format 2) or the optimizer's archive (format 1).
 struct SaveExtras {
-  std::function<void(torch::serialize::OutputArchive&)> save;
-  std::function<void(torch::serialize::InputArchive&)> check;  // before anything changes
-  std::function<void(torch::serialize::InputArchive&)> load;
+  std::function<void(torch::serialize::OutputArchive&)> save = {};
+  std::function<void(torch::serialize::InputArchive&)> check = {};  // before anything changes
+  std::function<void(torch::serialize::InputArchive&)> load = {};
 };
 
 /// A load read and checked on this process, ready to change the pipe.
