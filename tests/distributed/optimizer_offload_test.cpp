@@ -63,6 +63,25 @@ void expect_own_files(const std::string& dir, int rank) {
   expect(mine > 0, "rank " + std::to_string(rank) + " keeps no state file");
 }
 
+// `steps` fused steps of a 2-D pipe of 2 stages with its state off the device and of its twin
+// without, on the same batches: the losses equal at every step.
+template <class P>
+void step_both(P& pipe, sw::optim::FusedStep& f, P& ref, sw::optim::FusedStep& ref_f, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    torch::manual_seed(100 + step);
+    const auto x = torch::randn({12, 6});
+    const auto y = torch::randn({12, 3});
+    auto run = [&](P& p, sw::optim::FusedStep& fused) {
+      const auto in = p->has_stage(0) ? p->shard(x) : torch::Tensor();
+      const auto target = p->has_stage(1) ? p->shard(y) : torch::Tensor();
+      return p->train_step(in, target, mse, fused, sched::one_f_one_b{});
+    };
+    const auto loss = run(pipe, f);
+    const auto ref_loss = run(ref, ref_f);
+    expect(loss.equal(ref_loss), "step " + std::to_string(step) + ": the losses differ");
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("distributed optimizer offload") {
@@ -155,19 +174,7 @@ TEST_SUITE("distributed optimizer offload") {
           const auto adam = torch::optim::AdamOptions(1e-2);
           sw::optim::FusedStep f(pipe->named_parameters(), adam),
               ref_f(ref->named_parameters(), adam);
-          for (int step = 0; step < 2; ++step) {
-            torch::manual_seed(100 + step);
-            const auto x = torch::randn({12, 6});
-            const auto y = torch::randn({12, 3});
-            auto run = [&](auto& p, sw::optim::FusedStep& fused) {
-              const auto in = p->has_stage(0) ? p->shard(x) : torch::Tensor();
-              const auto target = p->has_stage(1) ? p->shard(y) : torch::Tensor();
-              return p->train_step(in, target, mse, fused, sched::one_f_one_b{});
-            };
-            const auto loss = run(pipe, f);
-            const auto ref_loss = run(ref, ref_f);
-            expect(loss.equal(ref_loss), "step " + std::to_string(step) + ": the losses differ");
-          }
+          step_both(pipe, f, ref, ref_f, 2);
           std::size_t held = 0;
           for (std::size_t i = 0; i < f.size(); ++i) held += f.offloaded(i);
           expect(held > 0 && held < f.size(), "half the state: some parameters, not all");
@@ -205,19 +212,7 @@ TEST_SUITE("distributed optimizer offload") {
           const auto adam = torch::optim::AdamOptions(1e-2);
           sw::optim::FusedStep f(pipe->named_parameters(), adam),
               ref_f(ref->named_parameters(), adam);
-          for (int step = 0; step < 3; ++step) {
-            torch::manual_seed(100 + step);
-            const auto x = torch::randn({12, 6});
-            const auto y = torch::randn({12, 3});
-            auto run = [&](auto& p, sw::optim::FusedStep& fused) {
-              const auto in = p->has_stage(0) ? p->shard(x) : torch::Tensor();
-              const auto target = p->has_stage(1) ? p->shard(y) : torch::Tensor();
-              return p->train_step(in, target, mse, fused, sched::one_f_one_b{});
-            };
-            const auto loss = run(pipe, f);
-            const auto ref_loss = run(ref, ref_f);
-            expect(loss.equal(ref_loss), "step " + std::to_string(step) + ": the losses differ");
-          }
+          step_both(pipe, f, ref, ref_f, 3);
           pipe->wait_parameters();
           ref->wait_parameters();
           const auto diff =
